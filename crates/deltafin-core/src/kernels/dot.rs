@@ -1,0 +1,195 @@
+//! 16-lane dot products with one fixed reduction order, in scalar, AVX2+FMA and AVX-512F.
+
+use crate::weights::bf16_to_f32;
+
+/// Number of accumulation lanes; part of the numerical definition of every kernel.
+pub const LANES: usize = 16;
+
+/// Which instruction set a kernel runs on. All produce identical bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl Isa {
+    /// The fastest kernel this CPU supports.
+    pub fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+    /// Every kernel this CPU can run (for tests).
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+            }
+            if std::is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+}
+
+/// The fixed reduction tree over 16 lanes: halves, quarters, pairs.
+#[inline(always)]
+pub(crate) fn reduce_lanes(acc: &[f32; LANES]) -> f32 {
+    let mut a = [0f32; 8];
+    for j in 0..8 {
+        a[j] = acc[j] + acc[j + 8];
+    }
+    let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    let c = [b[0] + b[2], b[1] + b[3]];
+    c[0] + c[1]
+}
+
+/// `sum_i x[i] * w[i]` with `w` little-endian BF16 bytes.
+pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u8]) -> f32 {
+    assert_eq!(w.len(), x.len() * 2, "dot_bf16: length mismatch");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2`/`Avx512` are only constructed after feature detection.
+        Isa::Avx2 => unsafe { x86::dot_bf16_avx2(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::dot_bf16_avx512(x, w) },
+        _ => dot_bf16_scalar(x, w, 0, [0.0; LANES]),
+    }
+}
+
+/// `sum_i x[i] * w[i]` in F32.
+pub fn dot_f32(isa: Isa, x: &[f32], w: &[f32]) -> f32 {
+    assert_eq!(w.len(), x.len(), "dot_f32: length mismatch");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::dot_f32_avx2(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::dot_f32_avx512(x, w) },
+        _ => dot_f32_scalar(x, w, 0, [0.0; LANES]),
+    }
+}
+
+/// Scalar reference from element `start` on, continuing the given lanes (SIMD tails use it too).
+pub(crate) fn dot_bf16_scalar(x: &[f32], w: &[u8], start: usize, mut acc: [f32; LANES]) -> f32 {
+    for i in start..x.len() {
+        let wi = bf16_to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]]));
+        acc[i % LANES] = x[i].mul_add(wi, acc[i % LANES]);
+    }
+    reduce_lanes(&acc)
+}
+
+pub(crate) fn dot_f32_scalar(x: &[f32], w: &[f32], start: usize, mut acc: [f32; LANES]) -> f32 {
+    for i in start..x.len() {
+        acc[i % LANES] = x[i].mul_add(w[i], acc[i % LANES]);
+    }
+    reduce_lanes(&acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    //! x86 SIMD versions; each mirrors the scalar lane scheme exactly.
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    pub(crate) unsafe fn store2(lo: __m256, hi: __m256) -> [f32; LANES] {
+        let mut acc = [0f32; LANES];
+        // SAFETY: acc has 16 floats.
+        unsafe {
+            _mm256_storeu_ps(acc.as_mut_ptr(), lo);
+            _mm256_storeu_ps(acc.as_mut_ptr().add(8), hi);
+        }
+        acc
+    }
+
+    #[inline(always)]
+    unsafe fn bf16x8(p: *const u8) -> __m256 {
+        // SAFETY: caller guarantees 16 readable bytes at p.
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_bf16_avx2(x: &[f32], w: &[u8]) -> f32 {
+        let n = x.len() / LANES * LANES;
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= x.len() and w has 2 bytes per element.
+            unsafe {
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), bf16x8(w.as_ptr().add(2 * i)), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8)), bf16x8(w.as_ptr().add(2 * i + 16)), hi);
+            }
+            i += LANES;
+        }
+        // SAFETY: plain stores into a local array.
+        dot_bf16_scalar(x, w, n, unsafe { store2(lo, hi) })
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_f32_avx2(x: &[f32], w: &[f32]) -> f32 {
+        let n = x.len() / LANES * LANES;
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= len of both slices.
+            unsafe {
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(w.as_ptr().add(i)), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8)), _mm256_loadu_ps(w.as_ptr().add(i + 8)), hi);
+            }
+            i += LANES;
+        }
+        dot_f32_scalar(x, w, n, unsafe { store2(lo, hi) })
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn store16(v: __m512) -> [f32; LANES] {
+        let mut acc = [0f32; LANES];
+        // SAFETY: acc has 16 floats.
+        unsafe { _mm512_storeu_ps(acc.as_mut_ptr(), v) };
+        acc
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn dot_bf16_avx512(x: &[f32], w: &[u8]) -> f32 {
+        let n = x.len() / LANES * LANES;
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= x.len(); 32 bytes of w readable.
+            unsafe {
+                let h = _mm256_loadu_si256(w.as_ptr().add(2 * i) as *const __m256i);
+                let wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(x.as_ptr().add(i)), wf, acc);
+            }
+            i += LANES;
+        }
+        dot_bf16_scalar(x, w, n, unsafe { store16(acc) })
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn dot_f32_avx512(x: &[f32], w: &[f32]) -> f32 {
+        let n = x.len() / LANES * LANES;
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= len of both slices.
+            unsafe { acc = _mm512_fmadd_ps(_mm512_loadu_ps(x.as_ptr().add(i)), _mm512_loadu_ps(w.as_ptr().add(i)), acc) };
+            i += LANES;
+        }
+        dot_f32_scalar(x, w, n, unsafe { store16(acc) })
+    }
+}

@@ -1,0 +1,48 @@
+//! Row-parallel matrix products: `Y[t, r] = dot(X[t, :], W[r, :])` for every token row `t`.
+//!
+//! Work is split over output rows only; each output value is one [`dot_bf16`] call, so the result
+//! is identical for any thread count and any number of token rows.
+
+use rayon::prelude::*;
+
+use super::dot::{dot_bf16, Isa};
+use crate::tensor::Mat;
+use crate::weights::Bf16Matrix;
+
+/// Output rows per parallel task: big enough to amortize scheduling, small enough to balance.
+const ROWS_PER_TASK: usize = 32;
+
+/// `X [t, cols] @ W[rows, cols]^T -> [t, rows]`.
+pub fn matmul_bf16(x: &Mat, w: &Bf16Matrix) -> Mat {
+    matmul_bf16_with(Isa::best(), x, w)
+}
+
+/// [`matmul_bf16`] on a chosen instruction set (tests compare them).
+pub fn matmul_bf16_with(isa: Isa, x: &Mat, w: &Bf16Matrix) -> Mat {
+    assert_eq!(x.cols, w.cols, "matmul_bf16: inner dimensions differ");
+    let t = x.rows;
+    let mut out = Mat::zeros(t, w.rows);
+    // Each task fills a [t, chunk] block in row-chunk order, then blocks are scattered.
+    let blocks: Vec<(usize, Vec<f32>)> = (0..w.rows.div_ceil(ROWS_PER_TASK))
+        .into_par_iter()
+        .map(|b| {
+            let r0 = b * ROWS_PER_TASK;
+            let r1 = (r0 + ROWS_PER_TASK).min(w.rows);
+            let mut block = vec![0f32; t * (r1 - r0)];
+            for r in r0..r1 {
+                let wr = w.row(r);
+                for ti in 0..t {
+                    block[ti * (r1 - r0) + (r - r0)] = dot_bf16(isa, x.row(ti), wr);
+                }
+            }
+            (r0, block)
+        })
+        .collect();
+    for (r0, block) in blocks {
+        let width = block.len() / t.max(1);
+        for ti in 0..t {
+            out.row_mut(ti)[r0..r0 + width].copy_from_slice(&block[ti * width..(ti + 1) * width]);
+        }
+    }
+    out
+}

@@ -1,0 +1,18 @@
+//! The hot loops: dot products over BF16, F32 and MXFP4 bytes, and the matmuls built on them.
+//!
+//! **Batch invariance by construction.** Every dot product uses the same 16-lane accumulation
+//! scheme: element `i` of a row is fused-multiply-added into lane `i % 16` in ascending order, and
+//! the 16 lanes are reduced by one fixed tree. The scalar, AVX2 and AVX-512 versions perform the
+//! same IEEE operations in the same order, so they agree bit for bit (tested), and an output value
+//! never depends on how many rows are computed together, the thread count, or the CPU.
+
+mod dot;
+mod matmul;
+mod mxfp4;
+
+pub use dot::{dot_bf16, dot_f32, Isa, LANES};
+pub use matmul::{matmul_bf16, matmul_bf16_with};
+pub use mxfp4::{dot_mxfp4, e2m1_value, e8m0_scale, permute_for_mxfp4, Mxfp4Matrix};
+
+#[cfg(test)]
+mod tests;

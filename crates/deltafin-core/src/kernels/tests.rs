@@ -1,0 +1,94 @@
+//! Kernels: every SIMD path equals the scalar reference bit for bit, and the scalar reference
+//! equals an independent f64 computation to rounding.
+
+use super::*;
+use crate::tensor::Mat;
+use crate::weights::{Bf16Matrix, Bytes};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn f32(&mut self) -> f32 {
+        (self.next() % 20001) as f32 / 10000.0 - 1.0
+    }
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect()
+}
+
+#[test]
+fn bf16_and_f32_dots_agree_across_isas_bitwise() {
+    let mut rng = Rng(7);
+    for n in [1usize, 15, 16, 17, 64, 100, 7168] {
+        let x: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+        let w: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+        let wb = bf16_bytes(&w);
+        let reference = dot_bf16(Isa::Scalar, &x, &wb);
+        let exact: f64 = x.iter().zip(&wb.chunks(2).collect::<Vec<_>>()).map(|(a, b)| *a as f64 * crate::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])) as f64).sum();
+        assert!((reference as f64 - exact).abs() < 1e-4 * (n as f64).sqrt(), "n={n}");
+        let rf = dot_f32(Isa::Scalar, &x, &w);
+        for isa in Isa::available() {
+            assert_eq!(dot_bf16(isa, &x, &wb).to_bits(), reference.to_bits(), "{isa:?} n={n}");
+            assert_eq!(dot_f32(isa, &x, &w).to_bits(), rf.to_bits(), "{isa:?} n={n}");
+        }
+    }
+}
+
+#[test]
+fn mxfp4_dot_matches_dequantized_reference_and_isas() {
+    let mut rng = Rng(99);
+    for cols in [32usize, 64, 3584] {
+        let x: Vec<f32> = (0..cols).map(|_| rng.f32()).collect();
+        let packed: Vec<u8> = (0..cols / 2).map(|_| rng.next() as u8).collect();
+        let scales: Vec<u8> = (0..cols / 32).map(|_| 110 + (rng.next() % 30) as u8).collect();
+        // Independent dequantization: column c of group g, low nibble = even column.
+        let w: Vec<f64> = (0..cols)
+            .map(|c| {
+                let b = packed[c / 2];
+                let code = if c % 2 == 0 { b & 15 } else { b >> 4 };
+                e2m1_value(code) as f64 * 2f64.powi(scales[c / 32] as i32 - 127)
+            })
+            .collect();
+        let exact: f64 = x.iter().zip(&w).map(|(a, b)| *a as f64 * b).sum();
+        let xp = permute_for_mxfp4(&x);
+        let reference = dot_mxfp4(Isa::Scalar, &xp, &packed, &scales);
+        assert!((reference as f64 - exact).abs() <= 1e-5 * exact.abs().max(1.0), "cols={cols}: {reference} vs {exact}");
+        for isa in Isa::available() {
+            assert_eq!(dot_mxfp4(isa, &xp, &packed, &scales).to_bits(), reference.to_bits(), "{isa:?}");
+        }
+    }
+}
+
+#[test]
+fn e8m0_and_e2m1_decode() {
+    assert_eq!(e8m0_scale(127), 1.0);
+    assert_eq!(e8m0_scale(128), 2.0);
+    assert_eq!(e8m0_scale(0), 2f32.powi(-127));
+    assert_eq!(e8m0_scale(254), 2f32.powi(127));
+    assert_eq!(e2m1_value(7), 6.0);
+    assert_eq!(e2m1_value(0xF), -6.0);
+    assert_eq!(e2m1_value(9), -0.5);
+}
+
+#[test]
+fn matmul_rows_are_batch_and_isa_invariant() {
+    let mut rng = Rng(3);
+    let (t, rows, cols) = (5, 70, 48);
+    let x = Mat::from_vec(t, cols, (0..t * cols).map(|_| rng.f32()).collect());
+    let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
+    let w = Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(&w)), rows, cols);
+    let full = matmul_bf16_with(Isa::Scalar, &x, &w);
+    for isa in Isa::available() {
+        assert_eq!(matmul_bf16_with(isa, &x, &w), full);
+        for r in 0..t {
+            let one = matmul_bf16_with(isa, &x.rows_range(r, 1), &w);
+            assert_eq!(one.row(0), full.row(r), "row {r} alone differs ({isa:?})");
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! Kimi K3 model math for Deltafin: the validated config, the layers (KDA, gated NoPE MLA,
+//! Block Attention-Residuals, latent MoE), the MXFP4 and BF16 kernels, and the tokenizers.
+//!
+//! This crate is pure computation. It never opens a file or a socket: weights arrive as
+//! [`Bytes`] lent by a [`TensorSource`] (the store implements it over memory maps), and expert
+//! bytes arrive one expert at a time from whoever schedules the forward pass.
+//!
+//! The principal types:
+//! - [`K3Config`]: every dimension and the layer schedule, parsed strictly from `config.json`.
+//! - [`Model`]: the spine weights and the per-layer steps a scheduler walks through.
+//! - [`Mat`]: F32 activations, one row per token.
+//! - [`Tokenizer`]: K3's tiktoken-format BPE; [`ChatFormat`] renders conversations to ids.
+//!
+//! **Exactness.** Every output value is computed by one fixed-order dot product (see the
+//! `kernels` module docs), so the logits of a token are bit-identical whether it is processed in
+//! a prompt batch or alone in decode, on any thread count and any of the SIMD paths.
+
+
+
+mod chat;
+mod config;
+mod error;
+mod kernels;
+mod math;
+mod model;
+mod tensor;
+mod tokenizer;
+mod weights;
+
+pub use crate::{
+    chat::{ChatFormat, Message, Role},
+    config::{AttentionKind, ExpertShape, K3Config, MlpKind},
+    error::{Error, Result},
+    kernels::{dot_bf16, dot_f32, dot_mxfp4, e2m1_value, e8m0_scale, matmul_bf16, matmul_bf16_with, permute_for_mxfp4, Isa, Mxfp4Matrix, LANES},
+    math::{rms_norm_in_place, situ},
+    model::{chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Residual, Route, LM_PREFIX},
+    tensor::Mat,
+    tokenizer::{HfTokenizer, Tokenizer, K3_PATTERN},
+    weights::{bf16_to_f32, Bf16Matrix, ByteOwner, Bytes, DType, TensorBytes, TensorSource},
+};

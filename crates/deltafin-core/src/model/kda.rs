@@ -1,0 +1,268 @@
+//! Kimi Delta Attention: short causal convolutions, a lower-bounded per-channel decay gate and
+//! the delta rule over a constant-size `[H, V, K]` state.
+//!
+//! The engine runs the recurrent form for every token, one token after another, for prompts and
+//! decode alike: it costs `O(H*K*V)` per token (tiny next to the projections) and makes a prompt
+//! forward bit-identical to token-by-token decode. [`chunked_delta_rule`] is the parallel
+//! (WY/UT-transform) form over a chunk of tokens; it is tested against the recurrence and kept
+//! for backends where the chunked form pays.
+
+use rayon::prelude::*;
+
+use super::loader::Loader;
+use crate::config::K3Config;
+use crate::error::Result;
+use crate::kernels::{dot_f32, matmul_bf16, Isa};
+use crate::math::{rms_norm_in_place, sigmoid, silu};
+use crate::tensor::Mat;
+use crate::weights::Bf16Matrix;
+
+/// KDA weights of one layer.
+pub(crate) struct KdaWeights {
+    q_proj: Bf16Matrix,
+    k_proj: Bf16Matrix,
+    v_proj: Bf16Matrix,
+    /// Conv weights `[channels, kernel]` for q, k, v.
+    conv: [Vec<f32>; 3],
+    f_a: Bf16Matrix,
+    f_b: Bf16Matrix,
+    b_proj: Bf16Matrix,
+    g_proj: Bf16Matrix,
+    /// `exp(A_log[h])`, per head.
+    a_exp: Vec<f32>,
+    dt_bias: Vec<f32>,
+    o_norm: Vec<f32>,
+    o_proj: Bf16Matrix,
+}
+
+/// KDA recurrent state of one layer: the last `kernel-1` raw projected inputs of q, k, v and the
+/// `[H, V, K]` delta-rule state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KdaState {
+    /// `[3][kernel-1][channels]`, oldest first.
+    pub conv: Vec<f32>,
+    /// `[H][V][K]`.
+    pub s: Vec<f32>,
+}
+
+impl KdaState {
+    /// The zero state.
+    pub fn new(cfg: &K3Config) -> KdaState {
+        let c = cfg.kda_dim();
+        KdaState { conv: vec![0.0; 3 * (cfg.conv_kernel - 1) * c], s: vec![0.0; cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim] }
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.conv.len() + self.s.len())
+    }
+}
+
+impl KdaWeights {
+    pub fn load(cfg: &K3Config, l: &Loader<'_>) -> Result<KdaWeights> {
+        let (h, d, c) = (cfg.hidden_size, cfg.kda_head_dim, cfg.kda_dim());
+        let conv = |n: &str| l.f32_tensor(&format!("{n}_conv1d.weight"), &[c, 1, cfg.conv_kernel]);
+        let a_log = l.f32_at_least("A_log", cfg.kda_heads)?;
+        Ok(KdaWeights {
+            q_proj: l.matrix("q_proj.weight", c, h)?,
+            k_proj: l.matrix("k_proj.weight", c, h)?,
+            v_proj: l.matrix("v_proj.weight", c, h)?,
+            conv: [conv("q")?, conv("k")?, conv("v")?],
+            f_a: l.matrix("f_a_proj.weight", d, h)?,
+            f_b: l.matrix("f_b_proj.weight", c, d)?,
+            b_proj: l.matrix("b_proj.weight", cfg.kda_heads, h)?,
+            g_proj: l.matrix("g_proj.weight", c, h)?,
+            // Per head: the stored tensor holds H values then zero padding.
+            a_exp: a_log[..cfg.kda_heads].iter().map(|a| a.exp()).collect(),
+            dt_bias: l.f32_tensor("dt_bias", &[c])?,
+            o_norm: l.f32_tensor("o_norm.weight", &[d])?,
+            o_proj: l.matrix("o_proj.weight", h, c)?,
+        })
+    }
+
+    /// Runs `x` (the normed attention input, one row per token) through the layer, advancing state.
+    pub fn forward(&self, cfg: &K3Config, isa: Isa, x: &Mat, state: &mut KdaState) -> Mat {
+        let (heads, d, c, kern) = (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_dim(), cfg.conv_kernel);
+        let t_len = x.rows;
+        let mut qkv = [matmul_bf16(x, &self.q_proj), matmul_bf16(x, &self.k_proj), matmul_bf16(x, &self.v_proj)];
+        // Causal depthwise conv over [state ; x], then SiLU; keep the last kernel-1 raw inputs.
+        for (i, m) in qkv.iter_mut().enumerate() {
+            let st = &mut state.conv[i * (kern - 1) * c..(i + 1) * (kern - 1) * c];
+            let mut hist: Vec<f32> = st.to_vec();
+            hist.extend_from_slice(&m.data);
+            let w = &self.conv[i];
+            for t in 0..t_len {
+                let out = m.row_mut(t);
+                for ch in 0..c {
+                    let mut acc = 0f32;
+                    for j in 0..kern {
+                        acc += w[ch * kern + j] * hist[(t + j) * c + ch];
+                    }
+                    out[ch] = silu(acc);
+                }
+            }
+            st.copy_from_slice(&hist[hist.len() - (kern - 1) * c..]);
+        }
+        let [mut q, mut k, v] = qkv;
+        let scale = (d as f32).powf(-0.5);
+        for t in 0..t_len {
+            for hh in 0..heads {
+                let qh = &mut q.row_mut(t)[hh * d..(hh + 1) * d];
+                let nq = 1.0 / (dot_f32(isa, qh, qh) + 1e-6).sqrt();
+                qh.iter_mut().for_each(|v| *v = *v * nq * scale);
+                let kh = &mut k.row_mut(t)[hh * d..(hh + 1) * d];
+                let nk = 1.0 / (dot_f32(isa, kh, kh) + 1e-6).sqrt();
+                kh.iter_mut().for_each(|v| *v *= nk);
+            }
+        }
+        let a = matmul_bf16(&matmul_bf16(x, &self.f_a), &self.f_b);
+        let lb = cfg.gate_lower_bound;
+        let mut decay = Mat::zeros(t_len, c);
+        for t in 0..t_len {
+            for ch in 0..c {
+                let g = lb * sigmoid(self.a_exp[ch / d] * (a.row(t)[ch] + self.dt_bias[ch]));
+                decay.row_mut(t)[ch] = g.exp();
+            }
+        }
+        let b = matmul_bf16(x, &self.b_proj);
+        let beta: Vec<f32> = b.data.iter().map(|&v| sigmoid(v)).collect();
+
+        // The recurrence, one head per task (heads are independent).
+        let mut o = Mat::zeros(t_len, c);
+        let outs: Vec<Vec<f32>> = state
+            .s
+            .par_chunks_mut(d * d)
+            .enumerate()
+            .map(|(hh, s)| {
+                let mut out = vec![0f32; t_len * d];
+                for t in 0..t_len {
+                    let sl = hh * d..(hh + 1) * d;
+                    recurrent_step(
+                        isa,
+                        s,
+                        &q.row(t)[sl.clone()],
+                        &k.row(t)[sl.clone()],
+                        &v.row(t)[sl.clone()],
+                        &decay.row(t)[sl],
+                        beta[t * heads + hh],
+                        &mut out[t * d..(t + 1) * d],
+                    );
+                }
+                out
+            })
+            .collect();
+        for (hh, out) in outs.iter().enumerate() {
+            for t in 0..t_len {
+                o.row_mut(t)[hh * d..(hh + 1) * d].copy_from_slice(&out[t * d..(t + 1) * d]);
+            }
+        }
+        let gate = matmul_bf16(x, &self.g_proj);
+        for t in 0..t_len {
+            let row = o.row_mut(t);
+            for hh in 0..heads {
+                rms_norm_in_place(isa, &mut row[hh * d..(hh + 1) * d], Some(&self.o_norm), cfg.rms_norm_eps);
+            }
+            for (v, g) in row.iter_mut().zip(gate.row(t)) {
+                *v *= sigmoid(*g);
+            }
+        }
+        matmul_bf16(&o, &self.o_proj)
+    }
+}
+
+/// One delta-rule step for one head: `S <- diag(decay) S; S += beta k (v - S k)^T; o = S q`,
+/// with `S` stored `[V][K]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn recurrent_step(isa: Isa, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]) {
+    let d = k.len();
+    for vi in 0..v.len() {
+        let row = &mut s[vi * d..(vi + 1) * d];
+        for (x, g) in row.iter_mut().zip(decay) {
+            *x *= g;
+        }
+        let mem = dot_f32(isa, row, k);
+        let delta = (v[vi] - mem) * beta;
+        for (x, kk) in row.iter_mut().zip(k) {
+            *x += kk * delta;
+        }
+        o[vi] = dot_f32(isa, row, q);
+    }
+}
+
+/// The chunked (parallel) form of the delta rule for one head over `T` tokens, starting from
+/// state `s` (`[V][K]`), returning the outputs `[T][V]` and leaving the final state in `s`.
+///
+/// Within a chunk, with cumulative decays `G_t = prod_{i<=t} decay_i`, the rule becomes
+/// `U = (I + A)^-1 (beta * (V - (k*G) S0))` with strictly lower `A_ti = beta_t (k_t*G_t/G_i).k_i`,
+/// then `o_t = (q_t*G_t) S0 + sum_{i<=t} (q_t*G_t/G_i).k_i u_i` and
+/// `S' = G_T S0 + sum_i (G_T/G_i) k_i u_i^T`. Exact in real arithmetic; in F32 it agrees with the
+/// recurrence to rounding (tested). Chunks must be short enough that `G` does not underflow.
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_delta_rule(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: &[f32], d: usize, chunk: usize) -> Vec<f32> {
+    let t_len = beta.len();
+    let mut out = vec![0f32; t_len * d];
+    let mut start = 0;
+    while start < t_len {
+        let n = chunk.min(t_len - start);
+        let idx = |t: usize, i: usize| (start + t) * d + i;
+        // Cumulative decay per key channel.
+        let mut g = vec![0f32; n * d];
+        for t in 0..n {
+            for i in 0..d {
+                let prev = if t == 0 { 1.0 } else { g[(t - 1) * d + i] };
+                g[t * d + i] = prev * decay[idx(t, i)];
+            }
+        }
+        // S0 k~_t with k~ = k * G  ([V] per t), and the right-hand side.
+        let mut u = vec![0f32; n * d];
+        for t in 0..n {
+            for vi in 0..d {
+                let mut acc = 0f32;
+                for i in 0..d {
+                    acc += s[vi * d + i] * k[idx(t, i)] * g[t * d + i];
+                }
+                u[t * d + vi] = beta[start + t] * (v[idx(t, vi)] - acc);
+            }
+        }
+        // Forward substitution with A_tj = beta_t sum_i k_t,i G_t,i / G_j,i k_j,i.
+        for t in 0..n {
+            for j in 0..t {
+                let mut a = 0f32;
+                for i in 0..d {
+                    a += k[idx(t, i)] * g[t * d + i] / g[j * d + i] * k[idx(j, i)];
+                }
+                a *= beta[start + t];
+                for vi in 0..d {
+                    u[t * d + vi] -= a * u[j * d + vi];
+                }
+            }
+        }
+        for t in 0..n {
+            for vi in 0..d {
+                let mut acc = 0f32;
+                for i in 0..d {
+                    acc += s[vi * d + i] * q[idx(t, i)] * g[t * d + i];
+                }
+                for j in 0..=t {
+                    let mut w = 0f32;
+                    for i in 0..d {
+                        w += q[idx(t, i)] * g[t * d + i] / g[j * d + i] * k[idx(j, i)];
+                    }
+                    acc += w * u[j * d + vi];
+                }
+                out[(start + t) * d + vi] = acc;
+            }
+        }
+        let last = (n - 1) * d;
+        for vi in 0..d {
+            for i in 0..d {
+                let mut acc = g[last + i] * s[vi * d + i];
+                for j in 0..n {
+                    acc += g[last + i] / g[j * d + i] * k[idx(j, i)] * u[j * d + vi];
+                }
+                s[vi * d + i] = acc;
+            }
+        }
+        start += n;
+    }
+    out
+}

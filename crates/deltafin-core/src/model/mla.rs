@@ -1,0 +1,151 @@
+//! Gated NoPE multi-head latent attention with a compact cache.
+//!
+//! The cache keeps, per token, the normalized KV latent and the shared `k_pe` (576 values per
+//! token for K3), never expanded keys. Queries are absorbed into latent space
+//! (`q_lat = W_kb^T q_nope`), so a prompt row and a decode step run exactly the same arithmetic
+//! over the same cached values: prefill and decode agree bit for bit. No rotary embedding: K3's
+//! "rope" dims enter the dot product unrotated.
+
+use rayon::prelude::*;
+
+use super::loader::Loader;
+use crate::config::K3Config;
+use crate::error::{Error, Result};
+use crate::kernels::{dot_bf16, dot_f32, matmul_bf16, Isa};
+use crate::math::{rms_norm_rows, sigmoid, softmax_in_place};
+use crate::tensor::Mat;
+use crate::weights::Bf16Matrix;
+
+/// Epsilon of `q_a_layernorm` and `kv_a_layernorm` (Moonshot, HF and mlx-lm use 1e-6).
+const LORA_NORM_EPS: f32 = 1e-6;
+
+/// MLA weights of one layer.
+pub(crate) struct MlaWeights {
+    q_a: Bf16Matrix,
+    q_a_norm: Vec<f32>,
+    q_b: Bf16Matrix,
+    kv_a: Bf16Matrix,
+    kv_a_norm: Vec<f32>,
+    kv_b: Bf16Matrix,
+    o_proj: Bf16Matrix,
+    g_proj: Option<Bf16Matrix>,
+}
+
+/// The MLA cache of one layer: normalized latents and `k_pe` for every past token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaCache {
+    /// `[len][kv_lora_rank]`.
+    pub latent: Vec<f32>,
+    /// `[len][qk_rope_dim]`.
+    pub k_pe: Vec<f32>,
+    /// Tokens cached.
+    pub len: usize,
+    /// Most tokens this cache may hold.
+    pub limit: usize,
+}
+
+impl MlaCache {
+    /// An empty cache holding at most `limit` tokens.
+    pub fn new(limit: usize) -> MlaCache {
+        MlaCache { latent: Vec::new(), k_pe: Vec::new(), len: 0, limit }
+    }
+    /// Bytes per cached token.
+    pub fn bytes_per_token(cfg: &K3Config) -> usize {
+        4 * (cfg.kv_lora_rank + cfg.qk_rope_dim)
+    }
+    /// Drops every token after the first `len` (rollback of a speculative forward).
+    pub fn truncate(&mut self, cfg: &K3Config, len: usize) {
+        if len < self.len {
+            self.latent.truncate(len * cfg.kv_lora_rank);
+            self.k_pe.truncate(len * cfg.qk_rope_dim);
+            self.len = len;
+        }
+    }
+}
+
+impl MlaWeights {
+    pub fn load(cfg: &K3Config, l: &Loader<'_>) -> Result<MlaWeights> {
+        let (h, n) = (cfg.hidden_size, cfg.mla_heads);
+        Ok(MlaWeights {
+            q_a: l.matrix("q_a_proj.weight", cfg.q_lora_rank, h)?,
+            q_a_norm: l.vector("q_a_layernorm.weight", cfg.q_lora_rank)?,
+            q_b: l.matrix("q_b_proj.weight", n * cfg.qk_head_dim(), cfg.q_lora_rank)?,
+            kv_a: l.matrix("kv_a_proj_with_mqa.weight", cfg.kv_lora_rank + cfg.qk_rope_dim, h)?,
+            kv_a_norm: l.vector("kv_a_layernorm.weight", cfg.kv_lora_rank)?,
+            kv_b: l.matrix("kv_b_proj.weight", n * (cfg.qk_nope_dim + cfg.v_head_dim), cfg.kv_lora_rank)?,
+            o_proj: l.matrix("o_proj.weight", h, n * cfg.v_head_dim)?,
+            g_proj: if cfg.mla_output_gate { Some(l.matrix("g_proj.weight", n * cfg.v_head_dim, h)?) } else { None },
+        })
+    }
+
+    /// Attends `x` (normed attention input) over the cache plus itself, appending to the cache.
+    pub fn forward(&self, cfg: &K3Config, isa: Isa, x: &Mat, cache: &mut MlaCache) -> Result<Mat> {
+        let (heads, nope, rope, vd, lora) = (cfg.mla_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+        let t_len = x.rows;
+        if cache.len + t_len > cache.limit {
+            return Err(Error::ContextLimit(format!(
+                "the MLA cache holds at most {} tokens and {} more do not fit after {}; raise the context limit or the RAM budget",
+                cache.limit, t_len, cache.len
+            )));
+        }
+        let q = matmul_bf16(&rms_norm_rows(isa, &matmul_bf16(x, &self.q_a), &self.q_a_norm, LORA_NORM_EPS), &self.q_b);
+        let kv = matmul_bf16(x, &self.kv_a);
+        for t in 0..t_len {
+            let row = kv.row(t);
+            let mut lat = row[..lora].to_vec();
+            crate::math::rms_norm_in_place(isa, &mut lat, Some(&self.kv_a_norm), LORA_NORM_EPS);
+            cache.latent.extend_from_slice(&lat);
+            cache.k_pe.extend_from_slice(&row[lora..]);
+        }
+        let past = cache.len;
+        cache.len += t_len;
+        let scale = ((nope + rope) as f32).powf(-0.5);
+        let per_head = nope + vd;
+        let cache_ref = &*cache;
+        // One task per (token, head): independent, fixed order inside.
+        let outs: Vec<Vec<f32>> = (0..t_len * heads)
+            .into_par_iter()
+            .map(|task| {
+                let (t, h) = (task / heads, task % heads);
+                let qrow = &q.row(t)[h * (nope + rope)..(h + 1) * (nope + rope)];
+                let (q_nope, q_pe) = qrow.split_at(nope);
+                // q_lat[c] = sum_i q_nope[i] * W_kb[h*per_head + i][c], i ascending.
+                let mut q_lat = vec![0f32; lora];
+                for (i, &qi) in q_nope.iter().enumerate() {
+                    let r = h * per_head + i;
+                    for (c, ql) in q_lat.iter_mut().enumerate() {
+                        *ql += qi * self.kv_b.at(r, c);
+                    }
+                }
+                let n_keys = past + t + 1;
+                let mut scores: Vec<f32> = (0..n_keys)
+                    .map(|j| {
+                        let s = dot_f32(isa, &q_lat, &cache_ref.latent[j * lora..(j + 1) * lora])
+                            + dot_f32(isa, q_pe, &cache_ref.k_pe[j * rope..(j + 1) * rope]);
+                        s * scale
+                    })
+                    .collect();
+                softmax_in_place(&mut scores);
+                let mut o_lat = vec![0f32; lora];
+                for (j, p) in scores.iter().enumerate() {
+                    for (o, l) in o_lat.iter_mut().zip(&cache_ref.latent[j * lora..(j + 1) * lora]) {
+                        *o += p * l;
+                    }
+                }
+                (0..vd).map(|i| dot_bf16(isa, &o_lat, self.kv_b.row(h * per_head + nope + i))).collect()
+            })
+            .collect();
+        let mut attn = Mat::zeros(t_len, heads * vd);
+        for (task, o) in outs.into_iter().enumerate() {
+            let (t, h) = (task / heads, task % heads);
+            attn.row_mut(t)[h * vd..(h + 1) * vd].copy_from_slice(&o);
+        }
+        if let Some(g) = &self.g_proj {
+            let gate = matmul_bf16(x, g);
+            for (a, g) in attn.data.iter_mut().zip(&gate.data) {
+                *a *= sigmoid(*g);
+            }
+        }
+        Ok(matmul_bf16(&attn, &self.o_proj))
+    }
+}

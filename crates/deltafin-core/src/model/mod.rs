@@ -1,0 +1,226 @@
+//! The K3 model: spine weights and the per-layer steps the engine loop drives.
+//!
+//! A forward pass over some token rows is a walk the caller performs:
+//! [`Model::embed`], then per layer [`Model::attention_block`] (Attention-Residual mix, KDA or MLA,
+//! the second mix and norm) followed by either [`Model::dense_mlp`] or the MoE steps
+//! ([`Model::route`], [`Model::moe_latent_in`], [`expert_forward`] per expert, [`MoeCombine`],
+//! [`Model::moe_finish`]), then [`Model::finish_layer`]; finally [`Model::logits`]. Keeping the
+//! walk outside lets the scheduler decide when expert bytes arrive without touching the math.
+
+mod attn_res;
+mod kda;
+mod loader;
+mod mla;
+mod moe;
+
+pub use attn_res::Residual;
+pub use kda::{chunked_delta_rule, KdaState};
+pub use mla::MlaCache;
+pub use moe::{expert_forward, ExpertLayout, MoeCombine, Route};
+
+use crate::config::{AttentionKind, K3Config, MlpKind};
+use crate::error::{Error, Result};
+use crate::kernels::{matmul_bf16, Isa};
+use crate::math::rms_norm_rows;
+use crate::tensor::Mat;
+use crate::weights::{Bf16Matrix, TensorSource};
+use loader::Loader;
+
+/// Name prefix of the language model in the release checkpoint.
+pub const LM_PREFIX: &str = "language_model.";
+
+enum Attention {
+    Kda(kda::KdaWeights),
+    Mla(mla::MlaWeights),
+}
+
+enum Mlp {
+    Dense(moe::GluWeights),
+    Moe(moe::MoeWeights),
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    attn_res: Vec<f32>,
+    mlp_res: Vec<f32>,
+    attention: Attention,
+    mlp: Mlp,
+}
+
+/// The per-layer state a sequence carries between forward passes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LayerState {
+    Kda(KdaState),
+    Mla(MlaCache),
+}
+
+impl LayerState {
+    /// Bytes held.
+    pub fn bytes(&self, cfg: &K3Config) -> usize {
+        match self {
+            LayerState::Kda(s) => s.bytes(),
+            LayerState::Mla(c) => c.len * MlaCache::bytes_per_token(cfg),
+        }
+    }
+}
+
+/// The K3 spine: every weight except the routed experts, borrowed from the store's bytes.
+pub struct Model {
+    config: K3Config,
+    isa: Isa,
+    embed: Bf16Matrix,
+    lm_head: Bf16Matrix,
+    norm: Vec<f32>,
+    output_res: Vec<f32>,
+    layers: Vec<Layer>,
+}
+
+impl Model {
+    /// Loads and checks every spine tensor (shape, dtype) from `src`.
+    pub fn load(config: K3Config, src: &dyn TensorSource) -> Result<Model> {
+        let cfg = &config;
+        let root = Loader::new(src, format!("{LM_PREFIX}model."));
+        let h = cfg.hidden_size;
+        let embed = root.matrix("embed_tokens.weight", cfg.vocab_size, h)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            Loader::new(src, LM_PREFIX).matrix("lm_head.weight", cfg.vocab_size, h)?
+        };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let ll = root.sub(&format!("layers.{l}."));
+            let attn = ll.sub("self_attn.");
+            layers.push(Layer {
+                input_norm: ll.vector("input_layernorm.weight", h)?,
+                post_norm: ll.vector("post_attention_layernorm.weight", h)?,
+                attn_res: ll.res_mix("self_attention_res", h)?,
+                mlp_res: ll.res_mix("mlp_res", h)?,
+                attention: match cfg.attention[l] {
+                    AttentionKind::Kda => Attention::Kda(kda::KdaWeights::load(cfg, &attn)?),
+                    AttentionKind::Mla => Attention::Mla(mla::MlaWeights::load(cfg, &attn)?),
+                },
+                mlp: match cfg.mlp[l] {
+                    MlpKind::Dense => Mlp::Dense(moe::GluWeights::load(cfg, &ll.sub("mlp."), cfg.intermediate_size)?),
+                    MlpKind::Moe => Mlp::Moe(moe::MoeWeights::load(cfg, &ll.sub("block_sparse_moe."))?),
+                },
+            });
+        }
+        Ok(Model {
+            isa: Isa::best(),
+            embed,
+            lm_head,
+            norm: root.vector("norm.weight", h)?,
+            output_res: root.res_mix("output_attn_res", h)?,
+            layers,
+            config,
+        })
+    }
+
+    /// The config the model was loaded with.
+    pub fn config(&self) -> &K3Config {
+        &self.config
+    }
+
+    /// Fresh per-layer state for a sequence of at most `context` tokens.
+    pub fn new_state(&self, context: usize) -> Vec<LayerState> {
+        self.config
+            .attention
+            .iter()
+            .map(|k| match k {
+                AttentionKind::Kda => LayerState::Kda(KdaState::new(&self.config)),
+                AttentionKind::Mla => LayerState::Mla(MlaCache::new(context)),
+            })
+            .collect()
+    }
+
+    /// Token embeddings, one row per id.
+    pub fn embed(&self, ids: &[u32]) -> Result<Mat> {
+        let mut m = Mat::zeros(ids.len(), self.config.hidden_size);
+        for (t, &id) in ids.iter().enumerate() {
+            if id as usize >= self.config.vocab_size {
+                return Err(Error::TokenOutOfRange { id, vocab: self.config.vocab_size });
+            }
+            m.row_mut(t).copy_from_slice(&self.embed.row_f32(id as usize));
+        }
+        Ok(m)
+    }
+
+    /// Attention half of layer `l`: mixes, attends (advancing `state`), updates the residual and
+    /// returns the normed MLP input.
+    pub fn attention_block(&self, l: usize, state: &mut LayerState, res: &mut Residual) -> Result<Mat> {
+        let cfg = &self.config;
+        let layer = &self.layers[l];
+        let eps = cfg.rms_norm_eps;
+        let h = attn_res::mix(self.isa, &res.anchors, &res.partial, &layer.attn_res, eps);
+        let x = rms_norm_rows(self.isa, &h, &layer.input_norm, eps);
+        let y = match (&layer.attention, state) {
+            (Attention::Kda(w), LayerState::Kda(s)) => w.forward(cfg, self.isa, &x, s),
+            (Attention::Mla(w), LayerState::Mla(c)) => w.forward(cfg, self.isa, &x, c)?,
+            _ => panic!("layer state kind does not match layer {l}"),
+        };
+        if cfg.is_block_start(l) {
+            let anchor = std::mem::replace(&mut res.partial, y);
+            res.anchors.push(anchor);
+        } else {
+            res.partial.add_assign(&y);
+        }
+        let m = attn_res::mix(self.isa, &res.anchors, &res.partial, &layer.mlp_res, eps);
+        Ok(rms_norm_rows(self.isa, &m, &layer.post_norm, eps))
+    }
+
+    /// The dense MLP of layer `l` (panics on an MoE layer: a scheduling bug).
+    pub fn dense_mlp(&self, l: usize, x: &Mat) -> Mat {
+        match &self.layers[l].mlp {
+            Mlp::Dense(w) => w.forward(&self.config, x),
+            Mlp::Moe(_) => panic!("layer {l} is an MoE layer"),
+        }
+    }
+
+    fn moe(&self, l: usize) -> &moe::MoeWeights {
+        match &self.layers[l].mlp {
+            Mlp::Moe(w) => w,
+            Mlp::Dense(_) => panic!("layer {l} is a dense layer"),
+        }
+    }
+
+    /// Router of MoE layer `l`: the chosen experts per row.
+    pub fn route(&self, l: usize, x: &Mat) -> Vec<Route> {
+        self.moe(l).route(&self.config, x)
+    }
+
+    /// The latent input of the routed experts.
+    pub fn moe_latent_in(&self, l: usize, x: &Mat) -> Mat {
+        self.moe(l).latent_in(x)
+    }
+
+    /// One routed expert over latent rows, from its stored bytes.
+    pub fn expert(&self, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
+        expert_forward(&self.config, self.isa, layout, bytes, z)
+    }
+
+    /// Latent norm, up-projection and shared MLP of MoE layer `l`.
+    pub fn moe_finish(&self, l: usize, x: &Mat, routed: Mat) -> Mat {
+        self.moe(l).finish(&self.config, self.isa, x, routed)
+    }
+
+    /// Adds the MLP output to the residual's partial sum.
+    pub fn finish_layer(&self, res: &mut Residual, mlp_out: &Mat) {
+        res.partial.add_assign(mlp_out);
+    }
+
+    /// Logits `[rows, vocab]` for the residual rows `rows`.
+    pub fn logits(&self, res: &Residual, rows: std::ops::Range<usize>) -> Mat {
+        let anchors: Vec<Mat> = res.anchors.iter().map(|a| a.rows_range(rows.start, rows.len())).collect();
+        let partial = res.partial.rows_range(rows.start, rows.len());
+        let h = attn_res::mix(self.isa, &anchors, &partial, &self.output_res, self.config.rms_norm_eps);
+        let x = rms_norm_rows(self.isa, &h, &self.norm, self.config.rms_norm_eps);
+        matmul_bf16(&x, &self.lm_head)
+    }
+
+    /// Bytes of spine weights this model borrows.
+    pub fn spine_bytes(&self) -> usize {
+        self.embed.byte_len() + if self.config.tie_word_embeddings { 0 } else { self.lm_head.byte_len() }
+    }
+}

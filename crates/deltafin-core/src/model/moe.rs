@@ -1,0 +1,223 @@
+//! The latent mixture of experts: sigmoid router with bias-corrected top-k, the MXFP4 expert
+//! forward over borrowed bytes, a fixed-order combine, latent norm, up-projection, shared MLP.
+//!
+//! The engine loop (in `deltafin-sched`) owns the order in which experts are fetched and run; this
+//! module only guarantees that the *result* does not depend on that order: every expert's output
+//! lands in its token's slot, and slots are summed in ascending expert id.
+
+use rayon::prelude::*;
+
+use super::loader::Loader;
+use crate::config::{ExpertShape, K3Config};
+use crate::error::{Error, Result};
+use crate::kernels::{matmul_bf16, permute_for_mxfp4, Isa, Mxfp4Matrix};
+use crate::math::{rms_norm_in_place, sigmoid, situ};
+use crate::tensor::Mat;
+use crate::weights::Bf16Matrix;
+
+/// A SiTU-GLU MLP: `down(situ(up x, gate x))`.
+pub(crate) struct GluWeights {
+    gate: Bf16Matrix,
+    up: Bf16Matrix,
+    down: Bf16Matrix,
+}
+
+impl GluWeights {
+    pub fn load(cfg: &K3Config, l: &Loader<'_>, inter: usize) -> Result<GluWeights> {
+        let h = cfg.hidden_size;
+        Ok(GluWeights {
+            gate: l.matrix("gate_proj.weight", inter, h)?,
+            up: l.matrix("up_proj.weight", inter, h)?,
+            down: l.matrix("down_proj.weight", h, inter)?,
+        })
+    }
+    pub fn forward(&self, cfg: &K3Config, x: &Mat) -> Mat {
+        let g = matmul_bf16(x, &self.gate);
+        let mut u = matmul_bf16(x, &self.up);
+        for (u, g) in u.data.iter_mut().zip(&g.data) {
+            *u = situ(*u, *g, cfg.situ_beta, cfg.situ_linear_beta);
+        }
+        matmul_bf16(&u, &self.down)
+    }
+}
+
+/// Spine weights of one MoE layer (experts live in the store).
+pub(crate) struct MoeWeights {
+    router: Bf16Matrix,
+    bias: Vec<f32>,
+    down: Bf16Matrix,
+    up: Bf16Matrix,
+    norm: Option<Vec<f32>>,
+    shared: Option<GluWeights>,
+}
+
+impl MoeWeights {
+    pub fn load(cfg: &K3Config, l: &Loader<'_>) -> Result<MoeWeights> {
+        let (h, e, lat) = (cfg.hidden_size, cfg.num_experts, cfg.latent_size);
+        Ok(MoeWeights {
+            router: l.matrix("gate.weight", e, h)?,
+            bias: l.f32_tensor("gate.e_score_correction_bias", &[e])?,
+            down: l.matrix("routed_expert_down_proj.weight", lat, h)?,
+            up: l.matrix("routed_expert_up_proj.weight", h, lat)?,
+            norm: if cfg.latent_norm { Some(l.vector("routed_expert_norm.weight", lat)?) } else { None },
+            shared: if cfg.num_shared_experts > 0 {
+                Some(GluWeights::load(cfg, &l.sub("shared_experts."), cfg.moe_intermediate_size * cfg.num_shared_experts)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    pub fn route(&self, cfg: &K3Config, x: &Mat) -> Vec<Route> {
+        let logits = matmul_bf16(x, &self.router);
+        (0..x.rows).map(|t| route_one(cfg, logits.row(t), &self.bias)).collect()
+    }
+
+    pub fn latent_in(&self, x: &Mat) -> Mat {
+        matmul_bf16(x, &self.down)
+    }
+
+    pub fn finish(&self, cfg: &K3Config, isa: Isa, x: &Mat, mut routed: Mat) -> Mat {
+        if let Some(w) = &self.norm {
+            for t in 0..routed.rows {
+                rms_norm_in_place(isa, routed.row_mut(t), Some(w), cfg.rms_norm_eps);
+            }
+        }
+        let mut y = matmul_bf16(&routed, &self.up);
+        if let Some(s) = &self.shared {
+            y.add_assign(&s.forward(cfg, x));
+        }
+        y
+    }
+}
+
+/// The experts one token is routed to, ascending by id, with their weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Route {
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// Sigmoid scores; the top-k by `score + bias` (ties to the lower id); weights are the chosen
+/// *uncorrected* scores, renormalized and scaled. The bias selects; it never weighs.
+fn route_one(cfg: &K3Config, logits: &[f32], bias: &[f32]) -> Route {
+    let scores: Vec<f32> = logits.iter().map(|&v| sigmoid(v)).collect();
+    let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+    let choice = |e: u32| scores[e as usize] + bias[e as usize];
+    order.sort_by(|&a, &b| choice(b).total_cmp(&choice(a)).then(a.cmp(&b)));
+    let mut experts = order[..cfg.experts_per_token].to_vec();
+    experts.sort_unstable();
+    let mut weights: Vec<f32> = experts.iter().map(|&e| scores[e as usize]).collect();
+    if cfg.renormalize {
+        let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
+        weights.iter_mut().for_each(|w| *w /= sum);
+    }
+    weights.iter_mut().for_each(|w| *w *= cfg.routed_scaling_factor);
+    Route { experts, weights }
+}
+
+/// Where each of the six records of an expert sits inside its contiguous byte span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// Offsets of `w1.packed, w1.scale, w2.packed, w2.scale, w3.packed, w3.scale`.
+    pub offsets: [usize; 6],
+    pub shape: ExpertShape,
+}
+
+impl ExpertLayout {
+    /// Span length covered by the six records.
+    pub fn span_len(&self) -> usize {
+        self.shape.total_bytes()
+    }
+    fn matrices<'a>(&self, bytes: &'a [u8]) -> Result<[Mxfp4Matrix<'a>; 3]> {
+        if bytes.len() < self.span_len() {
+            return Err(Error::ExpertLayout(format!("expert span is {} bytes, expected {}", bytes.len(), self.span_len())));
+        }
+        let s = self.shape;
+        let (pb, sb) = (s.packed_bytes(), s.scale_bytes());
+        let rec = |i: usize, len: usize| -> Result<&'a [u8]> {
+            bytes.get(self.offsets[i]..self.offsets[i] + len).ok_or_else(|| Error::ExpertLayout(format!("record {i} out of range")))
+        };
+        Ok([
+            Mxfp4Matrix::new(s.inter, s.latent, rec(0, pb)?, rec(1, sb)?)?,
+            Mxfp4Matrix::new(s.latent, s.inter, rec(2, pb)?, rec(3, sb)?)?,
+            Mxfp4Matrix::new(s.inter, s.latent, rec(4, pb)?, rec(5, sb)?)?,
+        ])
+    }
+}
+
+/// One expert applied to some latent rows: `w2(situ(w3 z, w1 z))`, straight from its bytes.
+pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
+    let [w1, w2, w3] = layout.matrices(bytes)?;
+    let (inter, latent) = (layout.shape.inter, layout.shape.latent);
+    // Each weight row is read once for all token rows; every value is one fixed-order dot.
+    let zp: Vec<Vec<f32>> = (0..z.rows).map(|t| permute_for_mxfp4(z.row(t))).collect();
+    let act: Vec<Vec<f32>> = (0..inter)
+        .into_par_iter()
+        .with_min_len(32)
+        .map(|r| zp.iter().map(|x| situ(w3.dot_row(isa, r, x), w1.dot_row(isa, r, x), cfg.situ_beta, cfg.situ_linear_beta)).collect())
+        .collect();
+    let ap: Vec<Vec<f32>> = (0..z.rows).map(|t| permute_for_mxfp4(&act.iter().map(|col| col[t]).collect::<Vec<_>>())).collect();
+    let y: Vec<Vec<f32>> = (0..latent).into_par_iter().with_min_len(32).map(|r| ap.iter().map(|a| w2.dot_row(isa, r, a)).collect()).collect();
+    let mut out = Mat::zeros(z.rows, latent);
+    for t in 0..z.rows {
+        for (r, col) in y.iter().enumerate() {
+            out.row_mut(t)[r] = col[t];
+        }
+    }
+    Ok(out)
+}
+
+/// Collects expert outputs in any arrival order and sums them in one fixed order.
+pub struct MoeCombine {
+    routes: Vec<Route>,
+    /// `[token][slot][latent]`.
+    slots: Vec<Option<Vec<f32>>>,
+    latent: usize,
+}
+
+impl MoeCombine {
+    /// Prepares slots for these routes.
+    pub fn new(routes: Vec<Route>, latent: usize) -> MoeCombine {
+        let n = routes.iter().map(|r| r.experts.len()).sum();
+        MoeCombine { routes, slots: vec![None; n], latent }
+    }
+    /// The routes being combined.
+    pub fn routes(&self) -> &[Route] {
+        &self.routes
+    }
+    /// Distinct experts over all tokens, ascending, each with the token rows routed to it.
+    pub fn expert_rows(&self) -> Vec<(u32, Vec<usize>)> {
+        let mut map: std::collections::BTreeMap<u32, Vec<usize>> = Default::default();
+        for (t, r) in self.routes.iter().enumerate() {
+            for &e in &r.experts {
+                map.entry(e).or_default().push(t);
+            }
+        }
+        map.into_iter().collect()
+    }
+    /// Records expert `e`'s outputs for `rows` (one output row each).
+    pub fn add(&mut self, e: u32, rows: &[usize], out: &Mat) {
+        let k = self.routes.first().map_or(0, |r| r.experts.len());
+        for (i, &t) in rows.iter().enumerate() {
+            let slot = self.routes[t].experts.iter().position(|&x| x == e).expect("expert not routed for this row");
+            self.slots[t * k + slot] = Some(out.row(i).to_vec());
+        }
+    }
+    /// The weighted sum per token, slots in ascending expert id. Panics if an output is missing
+    /// (a scheduling bug, never data-dependent).
+    pub fn finish(self) -> Mat {
+        let k = self.routes.first().map_or(0, |r| r.experts.len());
+        let mut out = Mat::zeros(self.routes.len(), self.latent);
+        for (t, r) in self.routes.iter().enumerate() {
+            let o = out.row_mut(t);
+            for (s, w) in r.weights.iter().enumerate() {
+                let y = self.slots[t * k + s].as_ref().expect("expert output missing");
+                for (oi, yi) in o.iter_mut().zip(y) {
+                    *oi += w * yi;
+                }
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,1 @@
+//! Examples of embedding the Deltafin API.
