@@ -1,1 +1,37 @@
-//! placeholder
+//! The Deltafin engine: the loop that runs Kimi K3 over streamed experts, and the stable API
+//! the CLI, the server and embedders use.
+//!
+//! Open a model with [`EngineBuilder`], make a [`Sequence`], and call [`Engine::generate`]:
+//!
+//! ```no_run
+//! use deltafin_sched::{EngineBuilder, GenerateOptions};
+//! let model = EngineBuilder::new("models/small").open()?;
+//! let prompt = model.tokenizer().encode_ordinary("The quick brown fox");
+//! let mut seq = model.new_sequence();
+//! let opts = GenerateOptions { max_new: 16, stop_ids: vec![] };
+//! let stats = model.engine().generate(&mut seq, &prompt, &opts, |id| {
+//!     print!("{}", model.tokenizer().decode(&[id]));
+//!     true
+//! })?;
+//! eprintln!("{}", stats.summary());
+//! # Ok::<(), deltafin_sched::Error>(())
+//! ```
+//!
+//! What this crate decides: the order of work (expert-major prefill, decode steps, prefetch
+//! guesses) and the sequence state. What it never does: math (that is `deltafin-core`) or file
+//! and drive access (that is `deltafin-store`). Whatever order it picks, output is identical:
+//! the core's kernels are batch-invariant and expert outputs are combined in a fixed order.
+
+mod engine;
+mod error;
+mod open;
+mod sequence;
+mod stats;
+
+pub use crate::{
+    engine::{argmax, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows},
+    error::{Error, Result},
+    open::{EngineBuilder, LoadedModel, DEFAULT_CONTEXT},
+    sequence::Sequence,
+    stats::{peak_rss_bytes, Stats},
+};

@@ -1,0 +1,249 @@
+//! The engine loop: a forward pass walks the layers over all new tokens at once (expert-major),
+//! and generation repeats single-token forwards greedily.
+//!
+//! **Expert-major.** At each MoE layer every new token is routed first; each distinct routed
+//! expert is then requested once and applied to all the tokens routed to it, as soon as its bytes
+//! arrive, while the remaining reads are still in flight. Outputs land in per-token slots summed
+//! in ascending expert id ([`MoeCombine`]), so arrival order never changes a bit of the result.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use deltafin_core::{Mat, MlpKind, Model, MoeCombine, Residual};
+use deltafin_store::{ExpertSource, Priority};
+
+use crate::error::{Error, Result};
+use crate::sequence::Sequence;
+use crate::stats::{peak_rss_bytes, Stats};
+
+/// Knobs of the engine loop that do not change its output.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Most prompt tokens per forward pass (memory bound); `None` = the whole prompt at once.
+    pub prefill_chunk: Option<usize>,
+    /// Run the next layer's router on the current hidden state and prefetch its experts.
+    pub prefetch: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { prefill_chunk: None, prefetch: true }
+    }
+}
+
+/// What one forward pass did, for the stats.
+#[derive(Clone, Debug, Default)]
+pub struct ForwardReport {
+    /// Seconds spent waiting for expert bytes.
+    pub read_wait: Duration,
+    /// Bytes of the distinct experts routed in this pass, summed over layers.
+    pub distinct_expert_bytes: u64,
+}
+
+/// The model, its experts and the loop that drives them.
+pub struct Engine {
+    model: Model,
+    experts: Arc<dyn ExpertSource>,
+    options: EngineOptions,
+}
+
+impl Engine {
+    /// Wraps a loaded spine and an expert source.
+    pub fn new(model: Model, experts: Arc<dyn ExpertSource>, options: EngineOptions) -> Engine {
+        Engine { model, experts, options }
+    }
+
+    /// The spine.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The expert source.
+    pub fn experts(&self) -> &Arc<dyn ExpertSource> {
+        &self.experts
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
+    }
+
+    /// Runs `ids` through the model after what `seq` holds, returning logits for the new rows
+    /// selected by `logit_rows` (`All` or only the last).
+    pub fn forward(&self, seq: &mut Sequence, ids: &[u32], logit_rows: LogitRows) -> Result<(Mat, ForwardReport)> {
+        if ids.is_empty() {
+            return Err(Error::Invalid("nothing to run: the token list is empty".into()));
+        }
+        let chunk = self.options.prefill_chunk.unwrap_or(ids.len()).max(1);
+        let mut report = ForwardReport::default();
+        let mut logits: Option<Mat> = None;
+        for (i, part) in ids.chunks(chunk).enumerate() {
+            let last_part = (i + 1) * chunk >= ids.len();
+            let (res, r) = self.forward_pass(seq, part)?;
+            report.read_wait += r.read_wait;
+            report.distinct_expert_bytes += r.distinct_expert_bytes;
+            let rows = match logit_rows {
+                LogitRows::All => Some(0..part.len()),
+                LogitRows::Last if last_part => Some(part.len() - 1..part.len()),
+                LogitRows::Last => None,
+            };
+            if let Some(rows) = rows {
+                let l = self.model.logits(&res, rows);
+                match &mut logits {
+                    None => logits = Some(l),
+                    Some(m) => m.append(&l),
+                }
+            }
+        }
+        Ok((logits.expect("the last chunk always yields logits"), report))
+    }
+
+    fn forward_pass(&self, seq: &mut Sequence, ids: &[u32]) -> Result<(Residual, ForwardReport)> {
+        if seq.ids.len() + ids.len() > seq.context_limit {
+            return Err(deltafin_core::Error::ContextLimit(format!(
+                "{} tokens held + {} new exceed the context limit of {}; start a new conversation or raise --context",
+                seq.ids.len(),
+                ids.len(),
+                seq.context_limit
+            ))
+            .into());
+        }
+        let snapshot = seq.layers.clone();
+        let result = self.walk_layers(seq, ids);
+        if result.is_err() {
+            // A failed pass (a dead drive, a corrupt expert) must not leave half-advanced state.
+            seq.layers = snapshot;
+        } else {
+            seq.ids.extend_from_slice(ids);
+        }
+        result
+    }
+
+    fn walk_layers(&self, seq: &mut Sequence, ids: &[u32]) -> Result<(Residual, ForwardReport)> {
+        let cfg = self.model.config();
+        let mut report = ForwardReport::default();
+        let mut res = Residual::new(self.model.embed(ids)?);
+        for l in 0..cfg.num_layers {
+            let x = self.model.attention_block(l, &mut seq.layers[l], &mut res)?;
+            let out = match cfg.mlp[l] {
+                MlpKind::Dense => self.model.dense_mlp(l, &x),
+                MlpKind::Moe => {
+                    let routes = self.model.route(l, &x);
+                    let z = self.model.moe_latent_in(l, &x);
+                    let mut combine = MoeCombine::new(routes, cfg.latent_size);
+                    let wanted = combine.expert_rows();
+                    report.distinct_expert_bytes += wanted.len() as u64 * self.experts.expert_bytes();
+                    let ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
+                    let rx = self.experts.request(l, &ids, Priority::Demand);
+                    if self.options.prefetch {
+                        if let Some(next) = (l + 1..cfg.num_layers).find(|&n| cfg.mlp[n] == MlpKind::Moe) {
+                            // The next layer's router on this layer's MLP input: a cheap guess.
+                            let guess = MoeCombine::new(self.model.route(next, &x), cfg.latent_size).expert_rows();
+                            let g: Vec<u32> = guess.iter().map(|(e, _)| *e).collect();
+                            self.experts.prefetch(next, &g);
+                        }
+                    }
+                    let layout = self.experts.layout(l);
+                    for _ in 0..wanted.len() {
+                        let t0 = Instant::now();
+                        let (e, bytes) = rx.recv().map_err(|_| Error::Invalid(format!("expert reader for layer {l} stopped")))?;
+                        report.read_wait += t0.elapsed();
+                        let bytes = bytes?;
+                        let rows = &wanted.iter().find(|(id, _)| *id == e).expect("delivered an expert that was not requested").1;
+                        let y = self.model.expert(&layout, bytes.as_slice(), &z.gather(rows))?;
+                        combine.add(e, rows, &y);
+                    }
+                    self.model.moe_finish(l, &x, combine.finish())
+                }
+            };
+            self.model.finish_layer(&mut res, &out);
+        }
+        Ok((res, report))
+    }
+
+    /// Greedy generation after `prompt`: calls `on_token` with each new id; stops at a stop id,
+    /// after `max_new` tokens, or when `on_token` returns `false`.
+    pub fn generate(
+        &self,
+        seq: &mut Sequence,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<Stats> {
+        let start = Instant::now();
+        let before = self.experts.stats();
+        let (logits, rep) = self.forward(seq, prompt, LogitRows::Last)?;
+        let after_prefill = self.experts.stats();
+        let ttft = start.elapsed();
+        let mut stats = Stats { prompt_tokens: prompt.len(), ttft_s: ttft.as_secs_f64(), ..Default::default() };
+        stats.expert_bytes_read_prefill = after_prefill.bytes_read - before.bytes_read;
+        stats.expert_bytes_distinct_prefill = rep.distinct_expert_bytes;
+        let mut read_wait = rep.read_wait;
+        let mut next = argmax(logits.row(logits.rows - 1));
+        let decode_start = Instant::now();
+        let mut generated = 0;
+        while generated < opts.max_new {
+            generated += 1;
+            let keep_going = on_token(next);
+            if opts.stop_ids.contains(&next) || !keep_going || generated == opts.max_new {
+                break;
+            }
+            let (l, r) = self.forward(seq, &[next], LogitRows::Last)?;
+            read_wait += r.read_wait;
+            next = argmax(l.row(0));
+        }
+        let decode = decode_start.elapsed().as_secs_f64();
+        let end = self.experts.stats();
+        stats.generated_tokens = generated;
+        // Decode rate counts the forwards after the first token (which prefill produced).
+        stats.decode_tok_s = if generated > 1 && decode > 0.0 { (generated - 1) as f64 / decode } else { 0.0 };
+        stats.total_s = start.elapsed().as_secs_f64();
+        stats.read_wait_s = read_wait.as_secs_f64();
+        stats.compute_s = (stats.total_s - stats.read_wait_s).max(0.0);
+        stats.expert_bytes_read = end.bytes_read - before.bytes_read;
+        let (hits, misses) = (end.hits - before.hits, end.misses - before.misses);
+        stats.cache_hit_rate = if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 };
+        stats.bytes_per_token = if generated > 1 { (stats.expert_bytes_read - stats.expert_bytes_read_prefill) as f64 / (generated - 1) as f64 } else { 0.0 };
+        stats.prefetch_issued = end.prefetch_issued - before.prefetch_issued;
+        stats.prefetch_used = end.prefetch_used - before.prefetch_used;
+        stats.prefetch_wasted_bytes = end.prefetch_wasted_bytes - before.prefetch_wasted_bytes;
+        stats.per_drive = end.per_home;
+        stats.peak_rss_bytes = peak_rss_bytes();
+        Ok(stats)
+    }
+}
+
+/// Which rows of a forward pass need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Every new token (scoring, `deltafin logits`, draft verification).
+    All,
+    /// Only the last (generation).
+    Last,
+}
+
+/// Options of one generation.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Most new tokens.
+    pub max_new: usize,
+    /// Ids that end generation (emitted, then stop).
+    pub stop_ids: Vec<u32>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions { max_new: 64, stop_ids: Vec::new() }
+    }
+}
+
+/// Index of the largest value; ties go to the lowest index (greedy is reproducible).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,105 @@
+//! Generation statistics, with the field names `deltafin run --stats-json` documents.
+
+use deltafin_store::HomeStats;
+
+/// What one generation cost and where the time went.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Seconds from the start to the first generated token.
+    pub ttft_s: f64,
+    /// Generated tokens per second after the first.
+    pub decode_tok_s: f64,
+    pub total_s: f64,
+    /// Expert bytes read from disk during the whole generation.
+    pub expert_bytes_read: u64,
+    /// Of which during prefill.
+    pub expert_bytes_read_prefill: u64,
+    /// Bytes of the distinct experts the prompt routed, summed per layer.
+    pub expert_bytes_distinct_prefill: u64,
+    /// Expert bytes read per decoded token.
+    pub bytes_per_token: f64,
+    /// Expert requests served from RAM / all expert requests.
+    pub cache_hit_rate: f64,
+    /// Seconds waiting for expert reads.
+    pub read_wait_s: f64,
+    /// Seconds not waiting for reads.
+    pub compute_s: f64,
+    pub prefetch_issued: u64,
+    pub prefetch_used: u64,
+    pub prefetch_wasted_bytes: u64,
+    /// Reads and bytes per drive.
+    #[serde(serialize_with = "ser_homes")]
+    pub per_drive: Vec<HomeStats>,
+    /// Peak resident set of the process so far.
+    pub peak_rss_bytes: u64,
+}
+
+fn ser_homes<S: serde::Serializer>(v: &[HomeStats], s: S) -> std::result::Result<S::Ok, S::Error> {
+    use serde::ser::SerializeSeq;
+    let mut seq = s.serialize_seq(Some(v.len()))?;
+    for h in v {
+        seq.serialize_element(&HomeJson { path: &h.path, reads: h.reads, bytes: h.bytes, errors: h.errors, rate_bytes_s: h.rate })?;
+    }
+    seq.end()
+}
+
+#[derive(serde::Serialize)]
+struct HomeJson<'a> {
+    path: &'a str,
+    reads: u64,
+    bytes: u64,
+    errors: u64,
+    rate_bytes_s: f64,
+}
+
+impl Stats {
+    /// A human summary for `--stats`.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "prompt {} tok, generated {} tok | TTFT {:.3} s | decode {:.2} tok/s | total {:.2} s\n\
+             experts read {:.1} MB (prefill {:.1} MB, distinct {:.1} MB) | {:.1} MB/token | hit rate {:.1}%\n\
+             read wait {:.3} s, compute {:.3} s | prefetch {} issued, {} used, {:.1} MB wasted | peak RSS {:.1} MB",
+            self.prompt_tokens,
+            self.generated_tokens,
+            self.ttft_s,
+            self.decode_tok_s,
+            self.total_s,
+            mb(self.expert_bytes_read),
+            mb(self.expert_bytes_read_prefill),
+            mb(self.expert_bytes_distinct_prefill),
+            self.bytes_per_token / 1e6,
+            100.0 * self.cache_hit_rate,
+            self.read_wait_s,
+            self.compute_s,
+            self.prefetch_issued,
+            self.prefetch_used,
+            mb(self.prefetch_wasted_bytes),
+            mb(self.peak_rss_bytes),
+        );
+        for h in &self.per_drive {
+            s.push_str(&format!("\n  drive {}: {} reads, {:.1} MB, {} errors, {:.0} MB/s", h.path, h.reads, mb(h.bytes), h.errors, h.rate / 1e6));
+        }
+        s
+    }
+}
+
+fn mb(b: u64) -> f64 {
+    b as f64 / 1e6
+}
+
+/// Peak resident set size of this process (getrusage; Linux reports KiB, macOS bytes).
+pub fn peak_rss_bytes() -> u64 {
+    // SAFETY: getrusage writes into the zeroed struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0;
+    }
+    let v = ru.ru_maxrss as u64;
+    if cfg!(target_os = "macos") {
+        v
+    } else {
+        v * 1024
+    }
+}
