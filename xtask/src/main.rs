@@ -1,1 +1,41 @@
-fn main() {}
+//! `cargo xtask`: project automation in Rust (test models, the demo, benchmarks, tidy checks).
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "Deltafin project automation")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Write a K3-format checkpoint in the exact release layout.
+    GenK3 {
+        /// tiny, small or slice (real expert size, several GB).
+        #[arg(long, default_value = "tiny")]
+        preset: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Make mlx-lm reference logits for random tiny configs (needs mlx[cpu] + mlx-lm).
+    Oracle {
+        #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5,6")]
+        seeds: Vec<u64>,
+        #[arg(long, default_value_t = 24)]
+        tokens: usize,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::GenK3 { preset, seed, out } => xtask::gen_k3::generate(&preset, seed, &out),
+        Cmd::Oracle { seeds, tokens } => xtask::oracle::run(&seeds, tokens),
+    }
+}

@@ -1,1 +1,37 @@
-fn main() {}
+//! `deltafin`: the command-line front end over the `deltafin-sched` API.
+
+mod run;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "deltafin",
+    version,
+    about = "Exact Kimi K3 inference with experts streamed from SSDs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate greedily from a prompt (text, ids, or stdin), streaming the output.
+    Run(run::RunArgs),
+    /// Write the logits after every prompt position to a safetensors file.
+    Logits(run::LogitsArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result: Result<()> = match cli.cmd {
+        Cmd::Run(a) => run::run(a),
+        Cmd::Logits(a) => run::logits(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

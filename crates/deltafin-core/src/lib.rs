@@ -15,8 +15,6 @@
 //! `kernels` module docs), so the logits of a token are bit-identical whether it is processed in
 //! a prompt batch or alone in decode, on any thread count and any of the SIMD paths.
 
-
-
 mod chat;
 mod config;
 mod error;
@@ -31,9 +29,15 @@ pub use crate::{
     chat::{ChatFormat, Message, Role},
     config::{AttentionKind, ExpertShape, K3Config, MlpKind},
     error::{Error, Result},
-    kernels::{dot_bf16, dot_f32, dot_mxfp4, e2m1_value, e8m0_scale, matmul_bf16, matmul_bf16_with, permute_for_mxfp4, Isa, Mxfp4Matrix, LANES},
+    kernels::{
+        dot_bf16, dot_f32, dot_mxfp4, e2m1_value, e8m0_scale, matmul_bf16, matmul_bf16_with,
+        permute_for_mxfp4, Isa, Mxfp4Matrix, LANES,
+    },
     math::{rms_norm_in_place, situ},
-    model::{chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Residual, Route, LM_PREFIX},
+    model::{
+        chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model,
+        MoeCombine, Residual, Route, LM_PREFIX,
+    },
     tensor::Mat,
     tokenizer::{HfTokenizer, Tokenizer, K3_PATTERN},
     weights::{bf16_to_f32, Bf16Matrix, ByteOwner, Bytes, DType, TensorBytes, TensorSource},

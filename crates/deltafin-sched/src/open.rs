@@ -24,7 +24,11 @@ pub struct EngineBuilder {
 impl EngineBuilder {
     /// Starts from a checkpoint folder.
     pub fn new(path: impl AsRef<Path>) -> EngineBuilder {
-        EngineBuilder { path: path.as_ref().to_path_buf(), options: EngineOptions::default(), context: DEFAULT_CONTEXT }
+        EngineBuilder {
+            path: path.as_ref().to_path_buf(),
+            options: EngineOptions::default(),
+            context: DEFAULT_CONTEXT,
+        }
     }
     /// Prefetch next-layer experts guessed by the router (no effect on output).
     pub fn prefetch(mut self, on: bool) -> Self {
@@ -44,10 +48,19 @@ impl EngineBuilder {
     /// Opens the model: parses the config, checks every spine tensor, resolves expert spans.
     pub fn open(self) -> Result<LoadedModel> {
         let ckpt = Arc::new(Checkpoint::open(&self.path)?);
-        let tokenizer = Tokenizer::from_tiktoken(&ckpt.tiktoken_text()?, ckpt.tokenizer_config_text()?.as_deref(), K3_PATTERN)?;
+        let tokenizer = Tokenizer::from_tiktoken(
+            &ckpt.tiktoken_text()?,
+            ckpt.tokenizer_config_text()?.as_deref(),
+            K3_PATTERN,
+        )?;
         let model = Model::load(ckpt.config().clone(), ckpt.as_ref())?;
         let experts: Arc<dyn ExpertSource> = Arc::new(MappedExperts::new(ckpt.clone())?);
-        Ok(LoadedModel { engine: Engine::new(model, experts, self.options), tokenizer, context: self.context, _checkpoint: ckpt })
+        Ok(LoadedModel {
+            engine: Engine::new(model, experts, self.options),
+            tokenizer,
+            context: self.context,
+            _checkpoint: ckpt,
+        })
     }
 }
 

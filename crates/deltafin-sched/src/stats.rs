@@ -40,7 +40,13 @@ fn ser_homes<S: serde::Serializer>(v: &[HomeStats], s: S) -> std::result::Result
     use serde::ser::SerializeSeq;
     let mut seq = s.serialize_seq(Some(v.len()))?;
     for h in v {
-        seq.serialize_element(&HomeJson { path: &h.path, reads: h.reads, bytes: h.bytes, errors: h.errors, rate_bytes_s: h.rate })?;
+        seq.serialize_element(&HomeJson {
+            path: &h.path,
+            reads: h.reads,
+            bytes: h.bytes,
+            errors: h.errors,
+            rate_bytes_s: h.rate,
+        })?;
     }
     seq.end()
 }
@@ -79,7 +85,14 @@ impl Stats {
             mb(self.peak_rss_bytes),
         );
         for h in &self.per_drive {
-            s.push_str(&format!("\n  drive {}: {} reads, {:.1} MB, {} errors, {:.0} MB/s", h.path, h.reads, mb(h.bytes), h.errors, h.rate / 1e6));
+            s.push_str(&format!(
+                "\n  drive {}: {} reads, {:.1} MB, {} errors, {:.0} MB/s",
+                h.path,
+                h.reads,
+                mb(h.bytes),
+                h.errors,
+                h.rate / 1e6
+            ));
         }
         s
     }

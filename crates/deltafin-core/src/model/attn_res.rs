@@ -20,7 +20,10 @@ pub struct Residual {
 impl Residual {
     /// Starts from the token embeddings.
     pub fn new(embeddings: Mat) -> Residual {
-        Residual { anchors: Vec::new(), partial: embeddings }
+        Residual {
+            anchors: Vec::new(),
+            partial: embeddings,
+        }
     }
     /// Number of token rows.
     pub fn rows(&self) -> usize {

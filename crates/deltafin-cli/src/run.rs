@@ -1,0 +1,186 @@
+//! `deltafin run` and `deltafin logits`.
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use deltafin_core::{Message, Role};
+use deltafin_sched::{EngineBuilder, GenerateOptions, LoadedModel, LogitRows};
+
+/// Options shared by every command that opens a model.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// A checkpoint folder (release layout) or a store made by `deltafin setup`.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Most tokens a sequence may hold (bounds the MLA cache).
+    #[arg(long, default_value_t = deltafin_sched::DEFAULT_CONTEXT)]
+    pub context: usize,
+    /// Most prompt tokens per forward pass (no effect on output).
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
+    /// Turn off next-layer expert prefetch (no effect on output).
+    #[arg(long)]
+    pub no_prefetch: bool,
+}
+
+impl ModelArgs {
+    pub fn open(&self) -> Result<LoadedModel> {
+        EngineBuilder::new(&self.model)
+            .context(self.context)
+            .prefill_chunk(self.prefill_chunk)
+            .prefetch(!self.no_prefetch)
+            .open()
+            .with_context(|| format!("opening model {}", self.model.display()))
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt text; read from stdin when neither --prompt nor --ids is given.
+    #[arg(long, conflicts_with = "ids")]
+    pub prompt: Option<String>,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Option<Vec<u32>>,
+    /// Render the prompt as a user message in K3's chat format and stop at the end of the turn.
+    #[arg(long)]
+    pub chat: bool,
+    /// Most new tokens.
+    #[arg(long, default_value_t = 64)]
+    pub max_new: usize,
+    /// Print the generated ids (one line, comma-separated) instead of text.
+    #[arg(long)]
+    pub print_ids: bool,
+    /// Print time to first token, tok/s and where the time went (stderr).
+    #[arg(long)]
+    pub stats: bool,
+    /// Write the stats as JSON to this file.
+    #[arg(long)]
+    pub stats_json: Option<PathBuf>,
+}
+
+fn prompt_ids(model: &LoadedModel, a: &RunArgs) -> Result<Vec<u32>> {
+    if let Some(ids) = &a.ids {
+        return Ok(ids.clone());
+    }
+    let text = match &a.prompt {
+        Some(t) => t.clone(),
+        None => {
+            if std::io::stdin().is_terminal() {
+                eprintln!("reading the prompt from stdin (end with Ctrl-D)...");
+            }
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .context("reading the prompt from stdin")?;
+            s
+        }
+    };
+    if a.chat {
+        Ok(model
+            .chat()?
+            .render(&[Message::new(Role::User, text)], None)?)
+    } else {
+        Ok(model.tokenizer().encode_ordinary(&text))
+    }
+}
+
+pub fn run(a: RunArgs) -> Result<()> {
+    let model = a.model.open()?;
+    let prompt = prompt_ids(&model, &a)?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty: give --prompt TEXT, --ids 1,2,3, or text on stdin");
+    }
+    let stop_ids = if a.chat {
+        model.chat()?.stop_ids()
+    } else {
+        Vec::new()
+    };
+    let opts = GenerateOptions {
+        max_new: a.max_new,
+        stop_ids,
+    };
+    let mut seq = model.new_sequence();
+    let mut out = std::io::stdout().lock();
+    let mut dec = model.tokenizer().stream();
+    let mut ids = Vec::new();
+    let mut write_err = None;
+    let stats = model.engine().generate(&mut seq, &prompt, &opts, |id| {
+        ids.push(id);
+        if !a.print_ids {
+            let piece = dec.push(id);
+            if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                write_err = Some(e);
+                return false;
+            }
+        }
+        true
+    })?;
+    if let Some(e) = write_err {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            return Err(e.into());
+        }
+    }
+    if a.print_ids {
+        writeln!(
+            out,
+            "{}",
+            ids.iter()
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        )?;
+    } else {
+        write!(out, "{}", dec.finish())?;
+        writeln!(out)?;
+    }
+    if a.stats {
+        eprintln!("{}", stats.summary());
+    }
+    if let Some(path) = &a.stats_json {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&stats)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path)?;
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Token ids, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub ids: Vec<u32>,
+    /// Output file: one F32 tensor `logits` of shape [tokens, vocab].
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn logits(a: LogitsArgs) -> Result<()> {
+    let model = a.model.open()?;
+    let mut seq = model.new_sequence();
+    let (l, _) = model.engine().forward(&mut seq, &a.ids, LogitRows::All)?;
+    let bytes: Vec<u8> = l.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(
+        safetensors::Dtype::F32,
+        vec![l.rows, l.cols],
+        &bytes,
+    )?;
+    let data = safetensors::serialize([("logits", view)], &None)?;
+    let tmp = a.out.with_extension("tmp");
+    std::fs::write(&tmp, data).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &a.out).with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!(
+        "wrote logits [{}, {}] to {}",
+        l.rows,
+        l.cols,
+        a.out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,768 @@
+//! `cargo xtask gen-k3`: writes a K3-format checkpoint in exactly the release layout.
+//!
+//! Names, dtypes, the index and several shards as in `moonshotai/Kimi-K3`; MXFP4 experts with
+//! each expert's six records contiguous; a tiktoken rank file (the first ranks of the real o200k
+//! file, which form a consistent BPE vocabulary) with K3's 256 reserved ids after it.
+//! Weights are random but scaled (`1/sqrt(fan_in)`, norms near 1, a wider `lm_head`) so
+//! activations stay sane and greedy decoding has clear margins. Every tensor's bytes come from its
+//! own seeded stream, so the output depends only on `--preset` and `--seed`.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+/// Shape of a generated model.
+#[derive(Clone, Debug)]
+pub struct Preset {
+    pub name: &'static str,
+    pub hidden: usize,
+    pub layers: usize,
+    pub mla_layers: Vec<usize>,
+    pub block: usize,
+    pub kda_heads: usize,
+    pub kda_dim: usize,
+    pub mla_heads: usize,
+    pub q_lora: usize,
+    pub kv_lora: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v_dim: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub shared: usize,
+    pub moe_inter: usize,
+    pub latent: usize,
+    pub dense_inter: usize,
+    pub bpe_ranks: usize,
+    pub shard_bytes: u64,
+}
+
+impl Preset {
+    pub fn by_name(name: &str) -> Result<Preset> {
+        let tiny = Preset {
+            name: "tiny",
+            hidden: 64,
+            layers: 6,
+            mla_layers: vec![3, 6],
+            block: 2,
+            kda_heads: 2,
+            kda_dim: 32,
+            mla_heads: 2,
+            q_lora: 32,
+            kv_lora: 32,
+            nope: 16,
+            rope: 16,
+            v_dim: 16,
+            experts: 16,
+            top_k: 4,
+            shared: 1,
+            moe_inter: 64,
+            latent: 32,
+            dense_inter: 128,
+            bpe_ranks: 2048,
+            shard_bytes: 1 << 20,
+        };
+        Ok(match name {
+            "tiny" => tiny,
+            "small" => Preset {
+                name: "small",
+                hidden: 1024,
+                layers: 8,
+                mla_layers: vec![4, 8],
+                block: 4,
+                kda_heads: 8,
+                kda_dim: 64,
+                mla_heads: 8,
+                q_lora: 256,
+                kv_lora: 128,
+                nope: 64,
+                rope: 32,
+                v_dim: 64,
+                experts: 64,
+                top_k: 8,
+                shared: 2,
+                moe_inter: 512,
+                latent: 512,
+                dense_inter: 2048,
+                bpe_ranks: 16384,
+                shard_bytes: 100 << 20,
+            },
+            // Real K3 expert shape (17,547,264 bytes per expert), fewer layers and experts.
+            "slice" => Preset {
+                name: "slice",
+                hidden: 2048,
+                layers: 6,
+                mla_layers: vec![3, 6],
+                block: 3,
+                kda_heads: 8,
+                kda_dim: 128,
+                mla_heads: 8,
+                q_lora: 512,
+                kv_lora: 512,
+                nope: 128,
+                rope: 64,
+                v_dim: 128,
+                experts: 48,
+                top_k: 8,
+                shared: 1,
+                moe_inter: 3072,
+                latent: 3584,
+                dense_inter: 4096,
+                bpe_ranks: 16384,
+                shard_bytes: 1 << 30,
+            },
+            other => bail!("unknown preset {other:?}: use tiny, rand, small or slice"),
+        })
+    }
+
+    /// A tiny model whose every dimension and the layer schedule are drawn from `seed`
+    /// (`--preset rand`): exercises config-driven code paths the fixed presets do not.
+    pub fn random(seed: u64) -> Preset {
+        let mut r = Rng::for_tensor(seed, "preset");
+        let mut pick = |choices: &[usize]| choices[(r.next() % choices.len() as u64) as usize];
+        let layers = pick(&[4, 5, 6, 7]);
+        let mut mla_layers: Vec<usize> = (2..=layers).filter(|_| pick(&[0, 0, 1]) == 1).collect();
+        if mla_layers.is_empty() {
+            mla_layers.push(layers);
+        }
+        let nope = pick(&[16, 32]);
+        let experts = pick(&[8, 16, 24]);
+        Preset {
+            name: "rand",
+            hidden: pick(&[64, 96, 128]),
+            layers,
+            mla_layers,
+            block: pick(&[2, 3, 4]),
+            kda_heads: pick(&[1, 2, 3]),
+            kda_dim: pick(&[16, 32]),
+            mla_heads: pick(&[1, 2, 4]),
+            q_lora: pick(&[32, 48]),
+            kv_lora: pick(&[32, 64]),
+            nope,
+            rope: pick(&[8, 16]),
+            v_dim: pick(&[16, 24]),
+            experts,
+            top_k: pick(&[2, 4, 6]).min(experts),
+            shared: pick(&[0, 1, 2]),
+            moe_inter: pick(&[32, 64, 96]),
+            latent: pick(&[32, 64]),
+            dense_inter: pick(&[64, 160]),
+            bpe_ranks: 1024,
+            shard_bytes: 256 << 10,
+        }
+    }
+
+    fn kda_layers(&self) -> Vec<usize> {
+        (1..=self.layers)
+            .filter(|l| !self.mla_layers.contains(l))
+            .collect()
+    }
+}
+
+const RESERVED_NAMES: &[(usize, &str)] = &[
+    (0, "[BOS]"),
+    (1, "[EOS]"),
+    (2, "<|end_of_msg|>"),
+    (3, "<|open|>"),
+    (4, "<|close|>"),
+    (5, "<|sep|>"),
+    (6, "[start_header_id]"),
+    (7, "[end_header_id]"),
+    (9, "[EOT]"),
+    (254, "[UNK]"),
+    (255, "[PAD]"),
+];
+
+fn config_json(p: &Preset) -> Value {
+    let n = p.bpe_ranks;
+    let text = json!({
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "architectures": ["KimiLinearForCausalLM"],
+        "attn_res_block_size": p.block,
+        "bos_token_id": n,
+        "dtype": "bfloat16",
+        "eos_token_id": n + 2,
+        "first_k_dense_replace": 1,
+        "hidden_act": "situ",
+        "hidden_size": p.hidden,
+        "intermediate_size": p.dense_inter,
+        "kv_lora_rank": p.kv_lora,
+        "latent_moe_use_norm": true,
+        "linear_attn_config": {
+            "full_attn_layers": p.mla_layers,
+            "gate_lower_bound": -5.0,
+            "head_dim": p.kda_dim,
+            "kda_layers": p.kda_layers(),
+            "num_heads": p.kda_heads,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": true
+        },
+        "max_position_embeddings": 1048576,
+        "mla_use_nope": true,
+        "mla_use_output_gate": true,
+        "model_type": "kimi_linear",
+        "moe_intermediate_size": p.moe_inter,
+        "moe_layer_freq": 1,
+        "moe_renormalize": true,
+        "moe_router_activation_func": "sigmoid",
+        "num_attention_heads": p.mla_heads,
+        "num_expert_group": 1,
+        "num_experts": p.experts,
+        "num_experts_per_token": p.top_k,
+        "num_hidden_layers": p.layers,
+        "num_key_value_heads": p.mla_heads,
+        "num_nextn_predict_layers": 0,
+        "num_shared_experts": p.shared,
+        "pad_token_id": n + 255,
+        "q_lora_rank": p.q_lora,
+        "qk_nope_head_dim": p.nope,
+        "qk_rope_head_dim": p.rope,
+        "quantization_config": {
+            "config_groups": {"group_0": {
+                "format": "mxfp4-pack-quantized", "input_activations": null, "output_activations": null,
+                "targets": ["Linear"],
+                "weights": {"actorder": null, "block_structure": null, "dynamic": false, "group_size": 32,
+                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8",
+                    "strategy": "group", "symmetric": true, "type": "float", "zp_dtype": null}
+            }},
+            "format": "mxfp4-pack-quantized",
+            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+            "kv_cache_scheme": null,
+            "quant_method": "compressed-tensors",
+            "quantization_status": "compressed"
+        },
+        "rms_norm_eps": 1e-5,
+        "routed_expert_hidden_size": p.latent,
+        "routed_scaling_factor": 1.0,
+        "tie_word_embeddings": false,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": true,
+        "v_head_dim": p.v_dim,
+        "vocab_size": n + 256
+    });
+    json!({
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "bos_token_id": n,
+        "eos_token_id": n + 2,
+        "pad_token_id": n + 255,
+        "model_type": "kimi_k3",
+        "text_config": text,
+        "tie_word_embeddings": false,
+        "deltafin_generated": {"preset": p.name}
+    })
+}
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Copy, Debug)]
+enum Init {
+    /// Uniform BF16 with this standard deviation.
+    Bf16(f32),
+    /// BF16 around 1 (norm weights).
+    Bf16Norm,
+    /// F32 uniform with this std around a mean.
+    F32 { mean: f32, std: f32 },
+    /// A_log: per-head log(uniform 1..16), then zero padding.
+    ALog { heads: usize },
+    /// Random E2M1 codes.
+    Packed,
+    /// E8M0 scales giving weights of this std.
+    Scale(f32),
+}
+
+struct Spec {
+    name: String,
+    dtype: &'static str,
+    shape: Vec<usize>,
+    init: Init,
+}
+
+impl Spec {
+    fn bytes(&self) -> u64 {
+        let n: usize = self.shape.iter().product();
+        (n * match self.dtype {
+            "BF16" => 2,
+            "F32" => 4,
+            _ => 1,
+        }) as u64
+    }
+}
+
+fn bf16(name: String, shape: Vec<usize>, std: f32) -> Spec {
+    Spec {
+        name,
+        dtype: "BF16",
+        shape,
+        init: Init::Bf16(std),
+    }
+}
+
+fn linear(name: String, out: usize, inp: usize) -> Spec {
+    bf16(name, vec![out, inp], 1.0 / (inp as f32).sqrt())
+}
+
+fn norm(name: String, n: usize) -> Spec {
+    Spec {
+        name,
+        dtype: "BF16",
+        shape: vec![n],
+        init: Init::Bf16Norm,
+    }
+}
+
+fn specs(p: &Preset) -> Vec<Vec<Spec>> {
+    let m = "language_model.model";
+    let h = p.hidden;
+    let c = p.kda_heads * p.kda_dim;
+    let mut groups = Vec::new();
+    for l in 0..p.layers {
+        let mut g = Vec::new();
+        let pre = format!("{m}.layers.{l}");
+        g.push(norm(format!("{pre}.input_layernorm.weight"), h));
+        g.push(norm(format!("{pre}.post_attention_layernorm.weight"), h));
+        for r in ["self_attention_res", "mlp_res"] {
+            g.push(norm(format!("{pre}.{r}_norm.weight"), h));
+            g.push(bf16(
+                format!("{pre}.{r}_proj.weight"),
+                vec![1, h],
+                1.0 / (h as f32).sqrt(),
+            ));
+        }
+        let a = format!("{pre}.self_attn");
+        if p.mla_layers.contains(&(l + 1)) {
+            g.push(linear(format!("{a}.q_a_proj.weight"), p.q_lora, h));
+            g.push(norm(format!("{a}.q_a_layernorm.weight"), p.q_lora));
+            g.push(linear(
+                format!("{a}.q_b_proj.weight"),
+                p.mla_heads * (p.nope + p.rope),
+                p.q_lora,
+            ));
+            g.push(linear(
+                format!("{a}.kv_a_proj_with_mqa.weight"),
+                p.kv_lora + p.rope,
+                h,
+            ));
+            g.push(norm(format!("{a}.kv_a_layernorm.weight"), p.kv_lora));
+            g.push(linear(
+                format!("{a}.kv_b_proj.weight"),
+                p.mla_heads * (p.nope + p.v_dim),
+                p.kv_lora,
+            ));
+            g.push(linear(
+                format!("{a}.o_proj.weight"),
+                h,
+                p.mla_heads * p.v_dim,
+            ));
+            g.push(linear(
+                format!("{a}.g_proj.weight"),
+                p.mla_heads * p.v_dim,
+                h,
+            ));
+        } else {
+            for n in ["q", "k", "v"] {
+                g.push(linear(format!("{a}.{n}_proj.weight"), c, h));
+                g.push(Spec {
+                    name: format!("{a}.{n}_conv1d.weight"),
+                    dtype: "F32",
+                    shape: vec![c, 1, 4],
+                    init: Init::F32 {
+                        mean: 0.0,
+                        std: 0.5,
+                    },
+                });
+            }
+            g.push(linear(format!("{a}.f_a_proj.weight"), p.kda_dim, h));
+            g.push(linear(format!("{a}.f_b_proj.weight"), c, p.kda_dim));
+            g.push(linear(format!("{a}.b_proj.weight"), p.kda_heads, h));
+            g.push(linear(format!("{a}.g_proj.weight"), c, h));
+            g.push(Spec {
+                name: format!("{a}.A_log"),
+                dtype: "F32",
+                shape: vec![p.kda_dim.max(p.kda_heads)],
+                init: Init::ALog { heads: p.kda_heads },
+            });
+            g.push(Spec {
+                name: format!("{a}.dt_bias"),
+                dtype: "F32",
+                shape: vec![c],
+                init: Init::F32 {
+                    mean: 0.0,
+                    std: 0.5,
+                },
+            });
+            g.push(Spec {
+                name: format!("{a}.o_norm.weight"),
+                dtype: "F32",
+                shape: vec![p.kda_dim],
+                init: Init::F32 {
+                    mean: 1.0,
+                    std: 0.05,
+                },
+            });
+            g.push(linear(format!("{a}.o_proj.weight"), h, c));
+        }
+        if l == 0 {
+            for (n, o, i) in [
+                ("gate_proj", p.dense_inter, h),
+                ("up_proj", p.dense_inter, h),
+                ("down_proj", h, p.dense_inter),
+            ] {
+                g.push(linear(format!("{pre}.mlp.{n}.weight"), o, i));
+            }
+        } else {
+            let b = format!("{pre}.block_sparse_moe");
+            g.push(linear(format!("{b}.gate.weight"), p.experts, h));
+            g.push(Spec {
+                name: format!("{b}.gate.e_score_correction_bias"),
+                dtype: "F32",
+                shape: vec![p.experts],
+                init: Init::F32 {
+                    mean: 0.0,
+                    std: 0.05,
+                },
+            });
+            g.push(linear(
+                format!("{b}.routed_expert_down_proj.weight"),
+                p.latent,
+                h,
+            ));
+            g.push(norm(format!("{b}.routed_expert_norm.weight"), p.latent));
+            g.push(linear(
+                format!("{b}.routed_expert_up_proj.weight"),
+                h,
+                p.latent,
+            ));
+            let si = p.moe_inter * p.shared;
+            for (n, o, i) in [
+                ("gate_proj", si, h),
+                ("up_proj", si, h),
+                ("down_proj", h, si),
+            ] {
+                if si > 0 {
+                    g.push(linear(format!("{b}.shared_experts.{n}.weight"), o, i));
+                }
+            }
+            groups.push(g);
+            for e in 0..p.experts {
+                let mut eg = Vec::new();
+                for (w, rows, cols) in [
+                    ("w1", p.moe_inter, p.latent),
+                    ("w2", p.latent, p.moe_inter),
+                    ("w3", p.moe_inter, p.latent),
+                ] {
+                    let x = format!("{b}.experts.{e}.{w}");
+                    eg.push(Spec {
+                        name: format!("{x}.weight_packed"),
+                        dtype: "U8",
+                        shape: vec![rows, cols / 2],
+                        init: Init::Packed,
+                    });
+                    eg.push(Spec {
+                        name: format!("{x}.weight_scale"),
+                        dtype: "U8",
+                        shape: vec![rows, cols / 32],
+                        init: Init::Scale(1.0 / (cols as f32).sqrt()),
+                    });
+                }
+                groups.push(eg);
+            }
+            continue;
+        }
+        groups.push(g);
+    }
+    groups.push(vec![
+        bf16(
+            format!("{m}.embed_tokens.weight"),
+            vec![p.bpe_ranks + 256, h],
+            1.0,
+        ),
+        norm(format!("{m}.norm.weight"), h),
+        norm(format!("{m}.output_attn_res_norm.weight"), h),
+        bf16(
+            format!("{m}.output_attn_res_proj.weight"),
+            vec![1, h],
+            1.0 / (h as f32).sqrt(),
+        ),
+        bf16(
+            "language_model.lm_head.weight".into(),
+            vec![p.bpe_ranks + 256, h],
+            4.0 / (h as f32).sqrt(),
+        ),
+    ]);
+    // A stand-in for the vision tower the release carries (text inference must ignore it).
+    groups.push(vec![
+        bf16(
+            "vision_tower.patch_embed.proj.weight".into(),
+            vec![32, 3, 2, 2],
+            0.1,
+        ),
+        norm("mm_projector.post_norm.weight".into(), 32),
+    ]);
+    groups
+}
+
+/// A small, fast, seedable generator (xorshift64*), one stream per tensor.
+struct Rng(u64);
+
+impl Rng {
+    fn for_tensor(seed: u64, name: &str) -> Rng {
+        let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for b in name.bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+        Rng(h | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+fn to_bf16(x: f32) -> [u8; 2] {
+    // Round to nearest even.
+    let b = x.to_bits();
+    let r = b.wrapping_add(0x7FFF + ((b >> 16) & 1));
+    ((r >> 16) as u16).to_le_bytes()
+}
+
+fn write_values(spec: &Spec, seed: u64, out: &mut impl Write) -> Result<()> {
+    let mut rng = Rng::for_tensor(seed, &spec.name);
+    let n: usize = spec.shape.iter().product();
+    let sqrt3 = 3f32.sqrt();
+    let mut buf: Vec<u8> = Vec::with_capacity(1 << 20);
+    let flush = |buf: &mut Vec<u8>, out: &mut dyn Write, force: bool| -> Result<()> {
+        if force || buf.len() >= 1 << 20 {
+            out.write_all(buf)?;
+            buf.clear();
+        }
+        Ok(())
+    };
+    match spec.init {
+        Init::Bf16(std) => {
+            for _ in 0..n {
+                buf.extend_from_slice(&to_bf16(rng.unit() * std * sqrt3));
+                flush(&mut buf, out, false)?;
+            }
+        }
+        Init::Bf16Norm => {
+            for _ in 0..n {
+                buf.extend_from_slice(&to_bf16(1.0 + 0.1 * rng.unit()));
+            }
+        }
+        Init::F32 { mean, std } => {
+            for _ in 0..n {
+                buf.extend_from_slice(&(mean + rng.unit() * std * sqrt3).to_le_bytes());
+            }
+        }
+        Init::ALog { heads } => {
+            for i in 0..n {
+                let v = if i < heads {
+                    (1.0 + 7.5 * (rng.unit() + 1.0)).ln()
+                } else {
+                    0.0
+                };
+                buf.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        Init::Packed => {
+            let mut i = 0;
+            while i < n {
+                let r = rng.next().to_le_bytes();
+                let take = (n - i).min(8);
+                buf.extend_from_slice(&r[..take]);
+                i += take;
+                flush(&mut buf, out, false)?;
+            }
+        }
+        Init::Scale(std) => {
+            // Random E2M1 codes have RMS ~2.93; pick 2^k so weights have about this std,
+            // varied by +-1 per group.
+            let k = (std / 2.93).log2().round() as i32;
+            for _ in 0..n {
+                let jitter = (rng.next() % 3) as i32 - 1;
+                buf.push((127 + k + jitter) as u8);
+            }
+        }
+    }
+    flush(&mut buf, out, true)
+}
+
+/// The first `n` ranks of the real o200k file (found in the tiktoken-rs package via cargo).
+fn o200k_prefix(n: usize) -> Result<String> {
+    let out = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--manifest-path",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+        ])
+        .output()
+        .context("running `cargo metadata` to find the o200k rank file")?;
+    let v: Value = serde_json::from_slice(&out.stdout).context("parsing cargo metadata")?;
+    let pkg = v["packages"]
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["name"] == "tiktoken-rs"))
+        .context("tiktoken-rs is not in the dependency graph")?;
+    let path = PathBuf::from(pkg["manifest_path"].as_str().context("manifest_path")?)
+        .parent()
+        .context("package dir")?
+        .join("assets/o200k_base.tiktoken");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let lines: Vec<&str> = text.lines().take(n).collect();
+    if lines.len() < n {
+        bail!("{} has only {} ranks", path.display(), lines.len());
+    }
+    Ok(lines.join("\n") + "\n")
+}
+
+fn tokenizer_config(p: &Preset) -> Value {
+    let n = p.bpe_ranks;
+    let mut added = serde_json::Map::new();
+    for off in 0..256 {
+        let name = RESERVED_NAMES
+            .iter()
+            .find(|(o, _)| *o == off)
+            .map(|(_, s)| s.to_string())
+            .unwrap_or_else(|| format!("<|reserved_token_{}|>", n + off));
+        added.insert((n + off).to_string(), json!({"content": name, "lstrip": false, "normalized": false, "rstrip": false, "single_word": false, "special": true}));
+    }
+    json!({
+        "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "[start_header_id]", "[end_header_id]", "[EOT]"],
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+        "clean_up_tokenization_spaces": false,
+        "model_max_length": 1048576,
+        "tokenizer_class": "TikTokenTokenizer"
+    })
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// Writes the checkpoint for `preset` with `seed` into `out`.
+pub fn generate(preset: &str, seed: u64, out: &Path) -> Result<()> {
+    let p = if preset == "rand" {
+        Preset::random(seed)
+    } else {
+        Preset::by_name(preset)?
+    };
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    // Pack tensor groups into shards of about `shard_bytes`, never splitting a group (an expert's
+    // six records stay together).
+    let groups = specs(&p);
+    let mut shards: Vec<Vec<Spec>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for g in groups {
+        let gb: u64 = g.iter().map(Spec::bytes).sum();
+        if size > 0 && size + gb > p.shard_bytes {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        size += gb;
+        shards.last_mut().expect("one shard").extend(g);
+    }
+    let total: u64 = shards.iter().flatten().map(Spec::bytes).sum();
+    let bar = if quiet() {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(total)
+    }
+    .with_style(
+        indicatif::ProgressStyle::with_template(
+            "gen-k3 {msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+        )
+        .expect("template"),
+    );
+    bar.set_message(p.name);
+    bar.set_length(total);
+    let count = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let fname = format!("model-{:05}-of-{:06}.safetensors", i + 1, count);
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), json!({"format": "pt"}));
+        let mut off = 0u64;
+        for s in shard {
+            header.insert(
+                s.name.clone(),
+                json!({"dtype": s.dtype, "shape": s.shape, "data_offsets": [off, off + s.bytes()]}),
+            );
+            off += s.bytes();
+            weight_map.insert(s.name.clone(), json!(fname));
+        }
+        let mut hbytes = serde_json::to_vec(&Value::Object(header))?;
+        while hbytes.len() % 8 != 0 {
+            hbytes.push(b' ');
+        }
+        let path = out.join(&fname);
+        let tmp = path.with_extension("tmp");
+        let mut w = BufWriter::with_capacity(
+            4 << 20,
+            File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
+        );
+        w.write_all(&(hbytes.len() as u64).to_le_bytes())?;
+        w.write_all(&hbytes)?;
+        for s in shard {
+            write_values(s, seed, &mut w)?;
+            bar.inc(s.bytes());
+        }
+        w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+    }
+    bar.finish();
+    write_atomic(
+        &out.join("model.safetensors.index.json"),
+        &serde_json::to_vec_pretty(
+            &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
+        )?,
+    )?;
+    write_atomic(
+        &out.join("tiktoken.model"),
+        o200k_prefix(p.bpe_ranks)?.as_bytes(),
+    )?;
+    write_atomic(
+        &out.join("tokenizer_config.json"),
+        &serde_json::to_vec_pretty(&tokenizer_config(&p))?,
+    )?;
+    write_atomic(
+        &out.join("generation_config.json"),
+        &serde_json::to_vec_pretty(
+            &json!({"bos_token_id": p.bpe_ranks, "eos_token_id": p.bpe_ranks + 2, "do_sample": false}),
+        )?,
+    )?;
+    write_atomic(
+        &out.join("config.json"),
+        &serde_json::to_vec_pretty(&config_json(&p))?,
+    )?;
+    if !quiet() {
+        eprintln!(
+            "wrote {} ({} shards, {:.1} MB) to {}",
+            p.name,
+            count,
+            total as f64 / 1e6,
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+/// Library callers (tests) generate silently.
+fn quiet() -> bool {
+    std::env::var_os("DELTAFIN_QUIET").is_some()
+}

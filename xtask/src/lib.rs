@@ -1,0 +1,5 @@
+//! Library half of `cargo xtask`, so tests can generate the same models the command writes.
+#![recursion_limit = "256"]
+
+pub mod gen_k3;
+pub mod oracle;

@@ -1,0 +1,70 @@
+//! `cargo xtask oracle`: reference logits for `--preset rand` models from mlx-lm's independent
+//! `kimi_k3` at float32, committed under `tests/fixtures/mlx/` so CI needs no Python.
+//!
+//! Needs `pip install "mlx[cpu]" mlx-lm==0.32.2` (CPU only). The test
+//! `xtask/tests/mlx_oracle.rs` regenerates each model from its seed and compares.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+
+/// Token ids for a seed: a spread over the BPE range, deterministic.
+pub fn prompt_ids(seed: u64, n: usize, bpe: u64) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % bpe) as u32
+        })
+        .collect()
+}
+
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/mlx")
+}
+
+/// Generates each seed's model, runs the mlx-lm script and writes the fixture and manifest.
+pub fn run(seeds: &[u64], tokens: usize) -> Result<()> {
+    let dir = fixtures_dir();
+    std::fs::create_dir_all(&dir)?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("oracle/mlx_k3_logits.py");
+    let mut entries = Vec::new();
+    for &seed in seeds {
+        let tmp = std::env::temp_dir().join(format!("deltafin-oracle-{seed}"));
+        crate::gen_k3::generate("rand", seed, &tmp)?;
+        let ids = prompt_ids(seed, tokens, 1024);
+        let out = dir.join(format!("rand-{seed}.safetensors"));
+        let list = ids
+            .iter()
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let status = Command::new("python3")
+            .arg(&script)
+            .arg(&tmp)
+            .arg(&out)
+            .arg(&list)
+            .status()
+            .context("running python3 (is mlx-lm installed?)")?;
+        if !status.success() {
+            bail!("the mlx-lm oracle failed for seed {seed}");
+        }
+        let config = std::fs::read_to_string(tmp.join("config.json"))?;
+        entries.push(json!({"seed": seed, "ids": ids, "file": format!("rand-{seed}.safetensors"), "config": serde_json::from_str::<serde_json::Value>(&config)?}));
+        std::fs::remove_dir_all(&tmp).ok();
+    }
+    let manifest = json!({
+        "about": "float32 logits from mlx-lm 0.32.2 kimi_k3 (mlx[cpu]) for `cargo xtask gen-k3 --preset rand --seed N`; written by `cargo xtask oracle`",
+        "models": entries
+    });
+    std::fs::write(
+        dir.join("manifest.json"),
+        serde_json::to_vec_pretty(&manifest)?,
+    )?;
+    eprintln!("wrote {} fixtures to {}", seeds.len(), dir.display());
+    Ok(())
+}
