@@ -301,3 +301,47 @@ pub fn chunked_delta_rule(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunked_form_equals_recurrent_form() {
+        let (d, t_len) = (16usize, 37usize);
+        let mut x = 12345u64;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 10000) as f32 / 10000.0
+        };
+        let mut unit_rows = |scale: f32| -> Vec<f32> {
+            let mut v: Vec<f32> = (0..t_len * d).map(|_| rnd() - 0.5).collect();
+            for r in v.chunks_mut(d) {
+                let n = r.iter().map(|a| a * a).sum::<f32>().sqrt();
+                r.iter_mut().for_each(|a| *a *= scale / n);
+            }
+            v
+        };
+        let q = unit_rows(0.25);
+        let k = unit_rows(1.0);
+        let v: Vec<f32> = (0..t_len * d).map(|_| rnd() - 0.5).collect();
+        let decay: Vec<f32> = (0..t_len * d).map(|_| 0.6 + 0.4 * rnd()).collect();
+        let beta: Vec<f32> = (0..t_len).map(|_| rnd()).collect();
+        let s0: Vec<f32> = (0..d * d).map(|_| 0.1 * (rnd() - 0.5)).collect();
+        let mut s_rec = s0.clone();
+        let mut o_rec = vec![0f32; t_len * d];
+        for t in 0..t_len {
+            let r = t * d..(t + 1) * d;
+            recurrent_step(Isa::Scalar, &mut s_rec, &q[r.clone()], &k[r.clone()], &v[r.clone()], &decay[r.clone()], beta[t], &mut o_rec[r]);
+        }
+        for chunk in [1, 4, 8, 64] {
+            let mut s = s0.clone();
+            let o = chunked_delta_rule(&mut s, &q, &k, &v, &decay, &beta, d, chunk);
+            let worst_o = o.iter().zip(&o_rec).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let worst_s = s.iter().zip(&s_rec).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst_o < 1e-4 && worst_s < 1e-4, "chunk {chunk}: outputs differ by {worst_o}, state by {worst_s}");
+        }
+    }
+}
