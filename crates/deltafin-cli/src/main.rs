@@ -1,6 +1,7 @@
 //! `deltafin`: the command-line front end over the `deltafin-sched` API.
 
 mod run;
+mod store_cmds;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -22,6 +23,10 @@ enum Cmd {
     Run(run::RunArgs),
     /// Write the logits after every prompt position to a safetensors file.
     Logits(run::LogitsArgs),
+    /// Install a checkpoint into a store (spine + expert packs over one or more drives).
+    Setup(store_cmds::SetupArgs),
+    /// Check a store against its manifest (--verify reads every expert).
+    Doctor(store_cmds::DoctorArgs),
 }
 
 fn main() {
@@ -29,6 +34,8 @@ fn main() {
     let result: Result<()> = match cli.cmd {
         Cmd::Run(a) => run::run(a),
         Cmd::Logits(a) => run::logits(a),
+        Cmd::Setup(a) => store_cmds::run_setup(a),
+        Cmd::Doctor(a) => store_cmds::run_doctor(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

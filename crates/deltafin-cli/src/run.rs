@@ -23,6 +23,18 @@ pub struct ModelArgs {
     /// Turn off next-layer expert prefetch (no effect on output).
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Bound on everything the engine holds (spine, expert cache, buffers, state), e.g. 2G.
+    #[arg(long, value_parser = crate::store_cmds::parse_size)]
+    pub ram_budget: Option<u64>,
+    /// Read experts through the page cache instead of bypassing it.
+    #[arg(long)]
+    pub page_cache: bool,
+    /// Concurrent expert reads per drive.
+    #[arg(long, default_value_t = 4)]
+    pub queue_depth: usize,
+    /// Keep the hottest experts of past runs pinned in RAM, up to this size (within the budget).
+    #[arg(long, value_parser = crate::store_cmds::parse_size)]
+    pub pin: Option<u64>,
 }
 
 impl ModelArgs {
@@ -31,6 +43,14 @@ impl ModelArgs {
             .context(self.context)
             .prefill_chunk(self.prefill_chunk)
             .prefetch(!self.no_prefetch)
+            .ram_budget(self.ram_budget)
+            .cache_mode(if self.page_cache {
+                deltafin_sched::CacheMode::Buffered
+            } else {
+                deltafin_sched::CacheMode::Direct
+            })
+            .queue_depth(self.queue_depth)
+            .pin_bytes(self.pin.unwrap_or(0))
             .open()
             .with_context(|| format!("opening model {}", self.model.display()))
     }
@@ -138,7 +158,18 @@ pub fn run(a: RunArgs) -> Result<()> {
         write!(out, "{}", dec.finish())?;
         writeln!(out)?;
     }
+    model.save_heat()?;
     if a.stats {
+        if let Some(p) = model.memory_plan() {
+            eprintln!(
+                "RAM budget {:.1} MB: spine {:.1} MB, sequence state {:.1} MB, working {:.1} MB, experts {:.1} MB",
+                p.budget as f64 / 1e6,
+                p.spine as f64 / 1e6,
+                p.sequence_state as f64 / 1e6,
+                p.working as f64 / 1e6,
+                p.experts as f64 / 1e6
+            );
+        }
         eprintln!("{}", stats.summary());
     }
     if let Some(path) = &a.stats_json {

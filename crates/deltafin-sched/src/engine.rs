@@ -48,6 +48,8 @@ pub struct Engine {
     model: Model,
     experts: Arc<dyn ExpertSource>,
     options: EngineOptions,
+    /// Demand counts per (layer, expert) since the last `take_heat` (for the pinned tier).
+    heat: std::sync::Mutex<std::collections::HashMap<(usize, u32), u64>>,
 }
 
 impl Engine {
@@ -57,7 +59,13 @@ impl Engine {
             model,
             experts,
             options,
+            heat: Default::default(),
         }
+    }
+
+    /// Demand counts per (layer, expert) since the last call.
+    pub fn take_heat(&self) -> std::collections::HashMap<(usize, u32), u64> {
+        std::mem::take(&mut *self.heat.lock().expect("poisoned"))
     }
 
     /// The spine.
@@ -150,9 +158,16 @@ impl Engine {
                     let wanted = combine.expert_rows();
                     report.distinct_expert_bytes +=
                         wanted.len() as u64 * self.experts.expert_bytes();
-                    let ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
-                    let rx = self.experts.request(l, &ids, Priority::Demand);
-                    if self.options.prefetch {
+                    let expert_ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
+                    {
+                        let mut heat = self.heat.lock().expect("poisoned");
+                        for &e in &expert_ids {
+                            *heat.entry((l, e)).or_default() += 1;
+                        }
+                    }
+                    let rx = self.experts.request(l, &expert_ids, Priority::Demand);
+                    // Prefetch pays only in decode: a prompt pass demands most experts anyway.
+                    if self.options.prefetch && ids.len() == 1 {
                         if let Some(next) =
                             (l + 1..cfg.num_layers).find(|&n| cfg.mlp[n] == MlpKind::Moe)
                         {

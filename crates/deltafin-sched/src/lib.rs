@@ -28,10 +28,12 @@ mod open;
 mod sequence;
 mod stats;
 
+pub use deltafin_store::CacheMode;
+
 pub use crate::{
     engine::{argmax, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows},
     error::{Error, Result},
-    open::{EngineBuilder, LoadedModel, DEFAULT_CONTEXT},
+    open::{EngineBuilder, LoadedModel, MemoryPlan, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT},
     sequence::Sequence,
     stats::{peak_rss_bytes, Stats},
 };

@@ -1,10 +1,18 @@
 //! Opening a model: a builder that turns a folder and a few knobs into a ready [`LoadedModel`].
+//!
+//! A checkpoint folder is served from memory maps (everything in RAM, no budget). A store made by
+//! `deltafin setup` keeps its spine resident and streams experts through a cache sized so that
+//! spine + sequence state + working memory + expert buffers stay within `--ram-budget`.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use deltafin_core::{ChatFormat, Model, Tokenizer, K3_PATTERN};
-use deltafin_store::{Checkpoint, ExpertSource, MappedExperts};
+use deltafin_core::{ChatFormat, K3Config, Model, Tokenizer, K3_PATTERN};
+use deltafin_store::{
+    CacheMode, Checkpoint, Error as StoreError, ExpertSource, MappedExperts, ReaderOptions, Store,
+    StreamingExperts,
+};
 
 use crate::engine::{Engine, EngineOptions};
 use crate::error::Result;
@@ -12,6 +20,8 @@ use crate::sequence::Sequence;
 
 /// Default context limit (tokens) when none is given.
 pub const DEFAULT_CONTEXT: usize = 4096;
+/// Prompt tokens per forward pass when a RAM budget is set and no chunk size is given.
+pub const DEFAULT_BUDGET_CHUNK: usize = 512;
 
 /// Configures how a model is opened.
 #[derive(Clone, Debug)]
@@ -19,15 +29,33 @@ pub struct EngineBuilder {
     path: PathBuf,
     options: EngineOptions,
     context: usize,
+    ram_budget: Option<u64>,
+    cache_mode: CacheMode,
+    queue_depth: usize,
+    pin_bytes: u64,
+}
+
+/// Where the RAM budget goes, in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemoryPlan {
+    pub budget: u64,
+    pub spine: u64,
+    pub sequence_state: u64,
+    pub working: u64,
+    pub experts: u64,
 }
 
 impl EngineBuilder {
-    /// Starts from a checkpoint folder.
+    /// Starts from a checkpoint folder or a store.
     pub fn new(path: impl AsRef<Path>) -> EngineBuilder {
         EngineBuilder {
             path: path.as_ref().to_path_buf(),
             options: EngineOptions::default(),
             context: DEFAULT_CONTEXT,
+            ram_budget: None,
+            cache_mode: CacheMode::Direct,
+            queue_depth: 4,
+            pin_bytes: 0,
         }
     }
     /// Prefetch next-layer experts guessed by the router (no effect on output).
@@ -45,8 +73,62 @@ impl EngineBuilder {
         self.context = tokens;
         self
     }
-    /// Opens the model: parses the config, checks every spine tensor, resolves expert spans.
-    pub fn open(self) -> Result<LoadedModel> {
+    /// Bytes everything the engine holds must fit in (stores only).
+    pub fn ram_budget(mut self, bytes: Option<u64>) -> Self {
+        self.ram_budget = bytes;
+        self
+    }
+    /// Bypass the page cache for expert reads (default) or not.
+    pub fn cache_mode(mut self, mode: CacheMode) -> Self {
+        self.cache_mode = mode;
+        self
+    }
+    /// Concurrent reads per drive.
+    pub fn queue_depth(mut self, n: usize) -> Self {
+        self.queue_depth = n.max(1);
+        self
+    }
+    /// Bytes of the hottest experts (from the store's heat history) to keep pinned in RAM.
+    pub fn pin_bytes(mut self, bytes: u64) -> Self {
+        self.pin_bytes = bytes;
+        self
+    }
+
+    /// Working memory of one forward pass over `tokens` rows (activations, residual anchors,
+    /// expert outputs, logits): an upper estimate used by the budget.
+    pub fn working_bytes(cfg: &K3Config, tokens: usize, context: usize) -> u64 {
+        let blocks = cfg.num_layers.div_ceil(cfg.attn_res_block_size);
+        let widest = [
+            cfg.intermediate_size,
+            cfg.moe_intermediate_size * cfg.num_shared_experts.max(1),
+            3 * cfg.kda_dim(),
+            cfg.mla_heads * cfg.qk_head_dim(),
+            cfg.num_experts,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        let per_row = cfg.hidden_size * (blocks + 12)
+            + cfg.experts_per_token * cfg.latent_size
+            + 4 * widest
+            + cfg.vocab_size;
+        // MLA scores are per (token, head) task, at most a few at a time per thread.
+        let scores = 64 * context;
+        (4 * (tokens * per_row + scores)) as u64 + (8 << 20)
+    }
+
+    /// Opens the model: parses the config, checks every spine tensor, starts the expert source.
+    pub fn open(mut self) -> Result<LoadedModel> {
+        if Store::is_store(&self.path) {
+            return self.open_store();
+        }
+        if self.ram_budget.is_some() {
+            return Err(crate::Error::Invalid(format!(
+                "--ram-budget needs a store: {} is a checkpoint folder; install it first with `deltafin setup --from {} --out STORE`",
+                self.path.display(),
+                self.path.display()
+            )));
+        }
         let ckpt = Arc::new(Checkpoint::open(&self.path)?);
         let tokenizer = Tokenizer::from_tiktoken(
             &ckpt.tiktoken_text()?,
@@ -55,11 +137,104 @@ impl EngineBuilder {
         )?;
         let model = Model::load(ckpt.config().clone(), ckpt.as_ref())?;
         let experts: Arc<dyn ExpertSource> = Arc::new(MappedExperts::new(ckpt.clone())?);
+        self.options.prefill_chunk = self.options.prefill_chunk.filter(|&c| c > 0);
         Ok(LoadedModel {
             engine: Engine::new(model, experts, self.options),
             tokenizer,
             context: self.context,
-            _checkpoint: ckpt,
+            plan: None,
+            store: None,
+        })
+    }
+
+    fn open_store(mut self) -> Result<LoadedModel> {
+        let mut store = Store::open(&self.path)?;
+        let cfg = store.config().clone();
+        let spine = store.spine_bytes();
+        let state = Sequence::max_bytes(&cfg, self.context) as u64;
+        let expert_len = cfg.expert_shape().total_bytes() as u64;
+        let all_experts = (cfg.moe_layers().len() * cfg.num_experts) as u64
+            * deltafin_store::AlignedBuf::charge(
+                cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN,
+            );
+        let plan = match self.ram_budget {
+            None => {
+                let chunk = self.options.prefill_chunk.unwrap_or(self.context);
+                MemoryPlan {
+                    budget: 0,
+                    spine,
+                    sequence_state: state,
+                    working: EngineBuilder::working_bytes(&cfg, chunk, self.context),
+                    experts: all_experts,
+                }
+            }
+            Some(budget) => {
+                let chunk = *self
+                    .options
+                    .prefill_chunk
+                    .get_or_insert(DEFAULT_BUDGET_CHUNK);
+                let working = EngineBuilder::working_bytes(&cfg, chunk, self.context);
+                let fixed = spine + state + working;
+                let min = fixed + StreamingExperts::min_budget(cfg.expert_shape());
+                if budget < min {
+                    return Err(StoreError::BudgetTooSmall {
+                        budget,
+                        minimum: min,
+                        why: format!(
+                            "spine {} MB + sequence state for {} tokens {} MB + working memory {} MB + one expert {} MB",
+                            spine / 1_000_000,
+                            self.context,
+                            state / 1_000_000,
+                            working / 1_000_000,
+                            expert_len / 1_000_000
+                        ),
+                    }
+                    .into());
+                }
+                MemoryPlan {
+                    budget,
+                    spine,
+                    sequence_state: state,
+                    working,
+                    experts: budget - fixed,
+                }
+            }
+        };
+        // The hot tier: the hottest experts from past runs, up to pin_bytes (within the budget).
+        let pin_cap = self.pin_bytes.min(
+            plan.experts
+                .saturating_sub(StreamingExperts::min_budget(cfg.expert_shape())),
+        );
+        let mut heat: Vec<((usize, u32), u64)> = store.heat().into_iter().collect();
+        heat.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let per = deltafin_store::AlignedBuf::charge(
+            cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN,
+        );
+        let pinned: Vec<(usize, u32)> = heat
+            .into_iter()
+            .take((pin_cap / per) as usize)
+            .map(|(k, _)| k)
+            .collect();
+        store.load_spine()?;
+        let tokenizer = Tokenizer::from_tiktoken(
+            &store.tiktoken_text()?,
+            store.tokenizer_config_text()?.as_deref(),
+            K3_PATTERN,
+        )?;
+        let experts = store.experts(ReaderOptions {
+            queue_depth: self.queue_depth,
+            cache_mode: self.cache_mode,
+            expert_budget: plan.experts,
+            pinned,
+        })?;
+        let model = Model::load(cfg, &store)?;
+        let store = Arc::new(store);
+        Ok(LoadedModel {
+            engine: Engine::new(model, Arc::new(experts), self.options),
+            tokenizer,
+            context: self.context,
+            plan: Some(plan),
+            store: Some(store),
         })
     }
 }
@@ -69,7 +244,8 @@ pub struct LoadedModel {
     engine: Engine,
     tokenizer: Tokenizer,
     context: usize,
-    _checkpoint: Arc<Checkpoint>,
+    plan: Option<MemoryPlan>,
+    store: Option<Arc<Store>>,
 }
 
 impl LoadedModel {
@@ -88,5 +264,17 @@ impl LoadedModel {
     /// A fresh sequence at this model's context limit.
     pub fn new_sequence(&self) -> Sequence {
         Sequence::new(self.engine.model(), self.context)
+    }
+    /// How the RAM budget is split (stores only).
+    pub fn memory_plan(&self) -> Option<&MemoryPlan> {
+        self.plan.as_ref()
+    }
+    /// Adds this session's expert demand counts to the store's heat history (for `--pin`).
+    pub fn save_heat(&self) -> Result<()> {
+        if let Some(store) = &self.store {
+            let heat: HashMap<(usize, u32), u64> = self.engine.take_heat();
+            store.record_heat(&heat)?;
+        }
+        Ok(())
     }
 }

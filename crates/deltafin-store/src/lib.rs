@@ -8,15 +8,35 @@
 //!
 //! Principal types:
 //! - [`Checkpoint`]: a release-layout folder; lends spine tensors to the core from memory maps.
+//! - [`setup()`] installs a checkpoint into a store described by a [`Manifest`].
+//! - [`Store`]: an opened store; lends its spine and starts [`StreamingExperts`].
 //! - [`ExpertSource`]: the engine-facing interface; [`MappedExperts`] serves a checkpoint from
-//!   memory maps.
+//!   memory maps, [`StreamingExperts`] streams a store's experts under a RAM budget.
+//! - [`doctor()`] checks a store against its manifest.
 
 mod checkpoint;
+mod doctor;
 mod error;
+mod manifest;
+mod memory;
+mod reader;
+mod setup;
 mod source;
+mod store;
+mod streaming;
 
 pub use crate::{
     checkpoint::{read_header, Checkpoint, ExpertSpan, TensorEntry},
+    doctor::{doctor, DoctorReport},
     error::{Error, Result},
+    manifest::{checksum, Copy, ExpertEntry, Manifest, SpineTensor, ALIGN},
+    memory::{AlignedBuf, Budget, BUF_ALIGN},
+    reader::CacheMode,
+    setup::{
+        assign_homes, drop_cache, setup, ExpertLayoutKind, LocalFiles, NoProgress, Progress,
+        SetupOptions, SpanSource,
+    },
     source::{Delivery, ExpertSource, HomeStats, MappedExperts, Priority, SourceStats},
+    store::Store,
+    streaming::{ReaderOptions, StreamingExperts},
 };

@@ -334,14 +334,34 @@ mod tests {
         let mut o_rec = vec![0f32; t_len * d];
         for t in 0..t_len {
             let r = t * d..(t + 1) * d;
-            recurrent_step(Isa::Scalar, &mut s_rec, &q[r.clone()], &k[r.clone()], &v[r.clone()], &decay[r.clone()], beta[t], &mut o_rec[r]);
+            recurrent_step(
+                Isa::Scalar,
+                &mut s_rec,
+                &q[r.clone()],
+                &k[r.clone()],
+                &v[r.clone()],
+                &decay[r.clone()],
+                beta[t],
+                &mut o_rec[r],
+            );
         }
         for chunk in [1, 4, 8, 64] {
             let mut s = s0.clone();
             let o = chunked_delta_rule(&mut s, &q, &k, &v, &decay, &beta, d, chunk);
-            let worst_o = o.iter().zip(&o_rec).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            let worst_s = s.iter().zip(&s_rec).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(worst_o < 1e-4 && worst_s < 1e-4, "chunk {chunk}: outputs differ by {worst_o}, state by {worst_s}");
+            let worst_o = o
+                .iter()
+                .zip(&o_rec)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let worst_s = s
+                .iter()
+                .zip(&s_rec)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst_o < 1e-4 && worst_s < 1e-4,
+                "chunk {chunk}: outputs differ by {worst_o}, state by {worst_s}"
+            );
         }
     }
 }

@@ -1,0 +1,157 @@
+//! `deltafin setup` and `deltafin doctor`, with progress bars.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use deltafin_store::{doctor, setup, ExpertLayoutKind, Progress, SetupOptions};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Progress bars with bytes/s and ETA.
+pub struct Bars {
+    bar: std::sync::Mutex<Option<ProgressBar>>,
+}
+
+impl Bars {
+    pub fn new() -> Bars {
+        Bars {
+            bar: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl Progress for Bars {
+    fn begin(&self, phase: &str, total: u64) {
+        let b = ProgressBar::new(total).with_style(
+            ProgressStyle::with_template(
+                "{msg:>8} [{bar:32}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+            )
+            .expect("template")
+            .progress_chars("=> "),
+        );
+        b.set_message(phase.to_string());
+        *self.bar.lock().expect("poisoned") = Some(b);
+    }
+    fn advance(&self, bytes: u64) {
+        if let Some(b) = &*self.bar.lock().expect("poisoned") {
+            b.inc(bytes);
+        }
+    }
+    fn end(&self) {
+        if let Some(b) = self.bar.lock().expect("poisoned").take() {
+            b.finish();
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct SetupArgs {
+    /// The checkpoint folder to install (release layout).
+    #[arg(long)]
+    pub from: PathBuf,
+    /// Install the whole model now ("full" mode).
+    #[arg(long, required = true)]
+    pub full: bool,
+    /// The store folder to create (spine, manifest).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// A folder on a drive to hold experts; repeat for several drives (default: the store).
+    #[arg(long = "home")]
+    pub homes: Vec<PathBuf>,
+    /// Read experts from the checkpoint's shards where they are instead of copying them.
+    #[arg(long)]
+    pub in_place: bool,
+    /// How many homes hold each expert (a second copy lets reads fail over to another drive).
+    #[arg(long, default_value_t = 1)]
+    pub copies: usize,
+}
+
+pub fn run_setup(a: SetupArgs) -> Result<()> {
+    if a.in_place && !a.homes.is_empty() {
+        bail!("--in-place reads experts from the checkpoint folder; --home only applies to copied packs");
+    }
+    let opts = SetupOptions {
+        source: a.from.clone(),
+        out: a.out.clone(),
+        homes: a.homes.clone(),
+        layout: if a.in_place {
+            ExpertLayoutKind::InPlace
+        } else {
+            ExpertLayoutKind::Packs
+        },
+        copies: a.copies,
+    };
+    let m = setup(&opts, &Bars::new())?;
+    let bytes: u64 = m.experts.iter().map(|e| e.len).sum();
+    eprintln!(
+        "store ready at {}: spine {:.1} MB, {} experts ({:.1} MB) over {} home(s), layout {}",
+        a.out.display(),
+        m.spine_bytes as f64 / 1e6,
+        m.experts.len(),
+        bytes as f64 / 1e6,
+        m.homes.len(),
+        m.layout
+    );
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct DoctorArgs {
+    /// The store to check.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Also read every expert and compare its checksum (reads the whole store).
+    #[arg(long)]
+    pub verify: bool,
+}
+
+pub fn run_doctor(a: DoctorArgs) -> Result<()> {
+    let r = doctor(&a.model, a.verify, &Bars::new())?;
+    if r.ok() {
+        eprintln!(
+            "{}: OK ({} experts, {} copies{})",
+            a.model.display(),
+            r.experts_checked,
+            r.copies_checked,
+            if a.verify { ", checksums verified" } else { "" }
+        );
+        return Ok(());
+    }
+    for p in &r.problems {
+        eprintln!("problem: {p}");
+    }
+    bail!(
+        "{} problem(s) found in {}; re-run `deltafin setup` with the same arguments to repair",
+        r.problems.len(),
+        a.model.display()
+    )
+}
+
+/// Parses sizes like `512M`, `2G`, `1.5GiB`, `4096`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (try 512M, 2G, 1.5GiB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1024.0 * 1024.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tb" => 1e12,
+        "tib" => 1024f64.powi(4),
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?} in {s:?} (use K, M, G, T, or KiB, MiB, GiB)"
+            ))
+        }
+    };
+    Ok((n * mult) as u64)
+}

@@ -1,0 +1,602 @@
+//! Experts streamed from a store's homes into a budgeted RAM cache.
+//!
+//! Reader threads per home (drive) pull jobs from two queues, demand before prefetch. Each read
+//! goes to the copy whose drive is expected to finish it first (bytes queued / measured rate);
+//! a failing drive is quarantined with exponential back-off and its reads go to another copy.
+//! Every buffer is reserved from the budget before the read; demand reads evict least recently
+//! used entries (and wait for the engine to drop buffers if need be), prefetch reads only take
+//! free room or evict older prefetches, and give up rather than push out what the current step
+//! uses. Every read is checked against its checksum: a mismatch is never delivered as data.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use deltafin_core::{Bytes, ExpertLayout, ExpertShape};
+
+use crate::error::Error;
+use crate::manifest::{checksum, Manifest};
+use crate::memory::{AlignedBuf, Budget};
+use crate::reader::{aligned_window, open_for_read, read_aligned, CacheMode};
+use crate::source::{Delivery, ExpertSource, HomeStats, Priority, SourceStats};
+
+type Key = (usize, u32);
+
+/// Reader settings.
+#[derive(Clone, Debug)]
+pub struct ReaderOptions {
+    /// Reader threads (concurrent reads) per home.
+    pub queue_depth: usize,
+    /// Page-cache bypass on or off.
+    pub cache_mode: CacheMode,
+    /// Bytes the expert cache and in-flight buffers may hold.
+    pub expert_budget: u64,
+    /// Experts never evicted (a hot tier), loaded at start.
+    pub pinned: Vec<(usize, u32)>,
+}
+
+struct CacheEntry {
+    bytes: Bytes,
+    last_use: u64,
+    /// Read by a prefetch and not demanded since.
+    unused_prefetch: bool,
+    pinned: bool,
+}
+
+struct Inflight {
+    waiters: Vec<Sender<Delivery>>,
+    priority: Priority,
+    /// Copies already tried (indices into the entry's copies).
+    tried: Vec<usize>,
+    /// A reader thread has taken the job (a duplicate queue entry must not read it again).
+    started: bool,
+}
+
+/// Why a read produced no bytes.
+enum ReadFail {
+    /// A prefetch that found no room in the budget.
+    Cancelled,
+    /// The drive or file failed.
+    Io(String),
+    /// The bytes do not match the manifest's checksum.
+    Corrupt(PathBuf),
+}
+
+struct Home {
+    stats: HomeStats,
+    queued_bytes: u64,
+    quarantined_until: Option<Instant>,
+    backoff: Duration,
+    demand: VecDeque<Key>,
+    prefetch: VecDeque<Key>,
+}
+
+struct State {
+    cache: HashMap<Key, CacheEntry>,
+    inflight: HashMap<Key, Inflight>,
+    homes: Vec<Home>,
+    clock: u64,
+    stats: SourceStats,
+    shutdown: bool,
+}
+
+struct Inner {
+    manifest: Manifest,
+    index: HashMap<Key, usize>,
+    layouts: HashMap<usize, ExpertLayout>,
+    shape: ExpertShape,
+    opts: ReaderOptions,
+    budget: Arc<Budget>,
+    state: Mutex<State>,
+    work: Condvar,
+}
+
+/// The streaming [`ExpertSource`] over a store made by `deltafin setup`.
+pub struct StreamingExperts {
+    inner: Arc<Inner>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Initial guess of a drive's rate before it is measured (bytes/s).
+const DEFAULT_RATE: f64 = 1e9;
+
+impl StreamingExperts {
+    /// Starts reader threads over `manifest` (of the store at `store`), for experts of `shape`.
+    pub fn start(
+        manifest: Manifest,
+        shape: ExpertShape,
+        opts: ReaderOptions,
+    ) -> crate::Result<StreamingExperts> {
+        let min = Self::min_budget(shape);
+        if opts.expert_budget < min {
+            return Err(Error::BudgetTooSmall {
+                budget: opts.expert_budget,
+                minimum: min,
+                why: "the expert cache must hold at least one expert being read".into(),
+            });
+        }
+        let index = manifest
+            .experts
+            .iter()
+            .enumerate()
+            .map(|(i, e)| ((e.layer, e.expert as u32), i))
+            .collect();
+        let layouts = manifest
+            .layouts
+            .iter()
+            .map(|(l, o)| (*l, ExpertLayout { offsets: *o, shape }))
+            .collect();
+        let homes = manifest
+            .homes
+            .iter()
+            .map(|p| Home {
+                stats: HomeStats {
+                    path: p.display().to_string(),
+                    ..Default::default()
+                },
+                queued_bytes: 0,
+                quarantined_until: None,
+                backoff: Duration::from_millis(100),
+                demand: VecDeque::new(),
+                prefetch: VecDeque::new(),
+            })
+            .collect();
+        let inner = Arc::new(Inner {
+            budget: Budget::new(opts.expert_budget),
+            manifest,
+            index,
+            layouts,
+            shape,
+            opts,
+            state: Mutex::new(State {
+                cache: HashMap::new(),
+                inflight: HashMap::new(),
+                homes,
+                clock: 0,
+                stats: SourceStats::default(),
+                shutdown: false,
+            }),
+            work: Condvar::new(),
+        });
+        let mut threads = Vec::new();
+        for h in 0..inner.manifest.homes.len() {
+            for _ in 0..inner.opts.queue_depth.max(1) {
+                let i = inner.clone();
+                threads.push(
+                    std::thread::Builder::new()
+                        .name(format!("deltafin-read-{h}"))
+                        .spawn(move || i.worker(h))
+                        .expect("spawn reader"),
+                );
+            }
+        }
+        let s = StreamingExperts { inner, threads };
+        let pins = s.inner.opts.pinned.clone();
+        for (l, e) in pins {
+            s.load_pinned(l, e)?;
+        }
+        Ok(s)
+    }
+
+    /// The smallest expert budget that can run: one expert's aligned window.
+    pub fn min_budget(shape: ExpertShape) -> u64 {
+        AlignedBuf::charge(shape.total_bytes() + crate::memory::BUF_ALIGN)
+    }
+
+    fn load_pinned(&self, l: usize, e: u32) -> crate::Result<()> {
+        let rx = self.request(l, &[e], Priority::Demand);
+        let (_, r) = rx
+            .recv()
+            .map_err(|_| Error::format(&self.inner.manifest.homes[0], "reader stopped"))?;
+        r?;
+        let mut st = self.inner.state.lock().expect("poisoned");
+        if let Some(c) = st.cache.get_mut(&(l, e)) {
+            c.pinned = true;
+        }
+        Ok(())
+    }
+
+    /// Bytes the budget holds now.
+    pub fn budget_used(&self) -> u64 {
+        self.inner.budget.used()
+    }
+}
+
+impl Drop for StreamingExperts {
+    fn drop(&mut self) {
+        self.inner.state.lock().expect("poisoned").shutdown = true;
+        self.inner.work.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Inner {
+    fn entry(&self, key: Key) -> &crate::manifest::ExpertEntry {
+        &self.manifest.experts[self.index[&key]]
+    }
+
+    /// The copy (index) expected to finish first among untried, non-quarantined homes.
+    fn choose_copy(&self, st: &State, key: Key, tried: &[usize]) -> Option<usize> {
+        let e = self.entry(key);
+        let now = Instant::now();
+        let mut best: Option<(f64, usize)> = None;
+        let mut fallback = None;
+        for (i, c) in e.copies.iter().enumerate() {
+            if tried.contains(&i) {
+                continue;
+            }
+            let h = &st.homes[c.home];
+            let rate = if h.stats.rate > 0.0 {
+                h.stats.rate
+            } else {
+                DEFAULT_RATE
+            };
+            let eta = (h.queued_bytes + e.len) as f64 / rate;
+            if h.quarantined_until.is_some_and(|t| t > now) {
+                fallback = fallback.or(Some(i));
+                continue;
+            }
+            if best.is_none_or(|(b, _)| eta < b) {
+                best = Some((eta, i));
+            }
+        }
+        best.map(|(_, i)| i).or(fallback)
+    }
+
+    fn enqueue(&self, st: &mut State, key: Key, copy: usize, priority: Priority) {
+        let e = self.entry(key);
+        let home = e.copies[copy].home;
+        let len = e.len;
+        let h = &mut st.homes[home];
+        h.queued_bytes += len;
+        match priority {
+            Priority::Demand => h.demand.push_back(key),
+            Priority::Prefetch => h.prefetch.push_back(key),
+        }
+    }
+
+    fn worker(self: Arc<Self>, home: usize) {
+        loop {
+            let (key, priority, copy) = {
+                let mut st = self.state.lock().expect("poisoned");
+                loop {
+                    if st.shutdown {
+                        return;
+                    }
+                    let h = &mut st.homes[home];
+                    let next = h
+                        .demand
+                        .pop_front()
+                        .map(|k| (k, Priority::Demand))
+                        .or_else(|| h.prefetch.pop_front().map(|k| (k, Priority::Prefetch)));
+                    if let Some((k, p)) = next {
+                        match st.inflight.get_mut(&k) {
+                            // A cancelled prefetch, or a duplicate of a job already taken: skip.
+                            None => {
+                                let len = self.entry(k).len;
+                                st.homes[home].queued_bytes -= len;
+                                continue;
+                            }
+                            Some(inf) if inf.started => {
+                                let len = self.entry(k).len;
+                                st.homes[home].queued_bytes -= len;
+                                continue;
+                            }
+                            Some(inf) => {
+                                inf.started = true;
+                                let p = p.min(inf.priority);
+                                let copy = self
+                                    .entry(k)
+                                    .copies
+                                    .iter()
+                                    .position(|c| c.home == home)
+                                    .expect("queued on a home holding a copy");
+                                break (k, p, copy);
+                            }
+                        }
+                    }
+                    st = self.work.wait(st).expect("poisoned");
+                }
+            };
+            let result = self.read_one(key, priority, copy);
+            self.finish(home, key, copy, result);
+        }
+    }
+
+    /// Makes room for `n` bytes: evicts least recently used entries (for a prefetch, only
+    /// entries not used in the current step) and, for demand, waits for buffers to be dropped.
+    fn reserve(&self, n: u64, priority: Priority) -> bool {
+        loop {
+            if self.budget.try_reserve(n) {
+                return true;
+            }
+            {
+                let mut st = self.state.lock().expect("poisoned");
+                if st.shutdown {
+                    return false;
+                }
+                let victim = st
+                    .cache
+                    .iter()
+                    // A guess may only displace other unused guesses, never what demand put there.
+                    .filter(|(_, c)| {
+                        !c.pinned && (priority == Priority::Demand || c.unused_prefetch)
+                    })
+                    .min_by_key(|(_, c)| c.last_use)
+                    .map(|(k, _)| *k);
+                match victim {
+                    Some(k) => {
+                        let c = st.cache.remove(&k).expect("victim exists");
+                        if c.unused_prefetch {
+                            st.stats.prefetch_wasted_bytes += c.bytes.len() as u64;
+                        }
+                        continue;
+                    }
+                    None if priority == Priority::Prefetch => return false,
+                    None => {}
+                }
+            }
+            self.budget.wait_for_release(Duration::from_millis(20));
+        }
+    }
+
+    fn read_one(
+        &self,
+        key: Key,
+        priority: Priority,
+        copy: usize,
+    ) -> Result<(Bytes, f64), ReadFail> {
+        let e = self.entry(key);
+        let c = &e.copies[copy];
+        let (start, end) = aligned_window(c.offset, e.len);
+        if !self.reserve(AlignedBuf::charge((end - start) as usize), priority) {
+            return Err(ReadFail::Cancelled);
+        }
+        let mut buf = AlignedBuf::new_reserved((end - start) as usize, self.budget.clone());
+        let path = self.manifest.copy_path(c);
+        let t0 = Instant::now();
+        let (file, _) = open_for_read(&path, self.opts.cache_mode)
+            .map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
+        let at = read_aligned(&file, c.offset, e.len, buf.as_mut_slice())
+            .map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
+        let secs = t0.elapsed().as_secs_f64();
+        let owner: Arc<dyn deltafin_core::ByteOwner> = Arc::new(buf);
+        let bytes = Bytes::new(owner, at, e.len as usize);
+        if checksum(bytes.as_slice()) != e.xxh3 {
+            return Err(ReadFail::Corrupt(path));
+        }
+        Ok((bytes, secs))
+    }
+
+    fn finish(&self, home: usize, key: Key, copy: usize, result: Result<(Bytes, f64), ReadFail>) {
+        let len = self.entry(key).len;
+        let mut st = self.state.lock().expect("poisoned");
+        st.homes[home].queued_bytes -= len;
+        match result {
+            Ok((bytes, secs)) => {
+                let h = &mut st.homes[home];
+                h.stats.reads += 1;
+                h.stats.bytes += len;
+                let rate = len as f64 / secs.max(1e-6);
+                h.stats.rate = if h.stats.rate == 0.0 {
+                    rate
+                } else {
+                    0.8 * h.stats.rate + 0.2 * rate
+                };
+                h.backoff = Duration::from_millis(100);
+                h.quarantined_until = None;
+                st.stats.bytes_read += len;
+                st.clock += 1;
+                let clock = st.clock;
+                // No entry means nobody waits (a guess); it still lands in the cache.
+                let waiters = st
+                    .inflight
+                    .remove(&key)
+                    .map(|i| i.waiters)
+                    .unwrap_or_default();
+                let unused_prefetch = waiters.is_empty();
+                for w in &waiters {
+                    let _ = w.send((key.1, Ok(bytes.clone())));
+                }
+                st.cache.insert(
+                    key,
+                    CacheEntry {
+                        bytes,
+                        last_use: clock,
+                        unused_prefetch,
+                        pinned: false,
+                    },
+                );
+                let held: u64 = st.cache.values().map(|c| c.bytes.len() as u64).sum();
+                st.stats.cache_peak_bytes = st.stats.cache_peak_bytes.max(held);
+            }
+            Err(ReadFail::Cancelled) => {
+                // A prefetch that found no room: forget it (nobody waits for it).
+                if let Some(inf) = st.inflight.get(&key) {
+                    if inf.waiters.is_empty() {
+                        st.inflight.remove(&key);
+                    } else {
+                        // Demanded meanwhile: retry as demand on the same copy.
+                        st.inflight.get_mut(&key).expect("present").started = false;
+                        self.enqueue(&mut st, key, copy, Priority::Demand);
+                    }
+                }
+            }
+            Err(fail) => {
+                let (corrupt, msg) = match fail {
+                    ReadFail::Corrupt(p) => (
+                        Some(p.clone()),
+                        format!("checksum mismatch in {}", p.display()),
+                    ),
+                    ReadFail::Io(m) => (None, m),
+                    ReadFail::Cancelled => unreachable!("handled above"),
+                };
+                let h = &mut st.homes[home];
+                h.stats.errors += 1;
+                if corrupt.is_none() {
+                    // An I/O failure: quarantine the drive with back-off.
+                    h.quarantined_until = Some(Instant::now() + h.backoff);
+                    h.backoff = (h.backoff * 2).min(Duration::from_secs(30));
+                }
+                eprintln!("deltafin: read of expert {}/{} failed ({msg}); trying another copy if there is one", key.0, key.1);
+                let Some(mut inf) = st.inflight.remove(&key) else {
+                    drop(st);
+                    self.work.notify_all();
+                    return;
+                };
+                inf.tried.push(copy);
+                inf.started = false;
+                match self.choose_copy(&st, key, &inf.tried) {
+                    Some(next) => {
+                        let p = inf.priority;
+                        st.inflight.insert(key, inf);
+                        self.enqueue(&mut st, key, next, p);
+                    }
+                    None => {
+                        let err = |()| match &corrupt {
+                            Some(p) => Error::Corrupt {
+                                layer: key.0,
+                                expert: key.1 as usize,
+                                path: p.clone(),
+                                offset: self.entry(key).copies[copy].offset,
+                            },
+                            None => Error::Unavailable {
+                                layer: key.0,
+                                expert: key.1 as usize,
+                                last: msg.clone(),
+                            },
+                        };
+                        for w in &inf.waiters {
+                            let _ = w.send((key.1, Err(err(()))));
+                        }
+                    }
+                }
+            }
+        }
+        drop(st);
+        self.work.notify_all();
+    }
+}
+
+impl ExpertSource for StreamingExperts {
+    fn layout(&self, layer: usize) -> ExpertLayout {
+        self.inner.layouts[&layer]
+    }
+
+    fn request(&self, layer: usize, experts: &[u32], priority: Priority) -> Receiver<Delivery> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let inner = &self.inner;
+        let mut st = inner.state.lock().expect("poisoned");
+        st.clock += 1;
+        // Stale guesses: queued prefetches of this layer that were not demanded.
+        let stale: Vec<Key> = st
+            .inflight
+            .iter()
+            .filter(|(k, f)| {
+                k.0 == layer
+                    && !f.started
+                    && f.waiters.is_empty()
+                    && f.priority == Priority::Prefetch
+                    && !experts.contains(&k.1)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for k in stale {
+            st.inflight.remove(&k);
+        }
+        // Largest-first is moot (experts are equal); issue in id order, hits answered at once.
+        for &e in experts {
+            let key = (layer, e);
+            let clock = st.clock;
+            if let Some(c) = st.cache.get_mut(&key) {
+                c.last_use = clock;
+                let was_prefetch = std::mem::replace(&mut c.unused_prefetch, false);
+                let _ = tx.send((e, Ok(c.bytes.clone())));
+                st.stats.hits += 1;
+                if was_prefetch {
+                    st.stats.prefetch_used += 1;
+                }
+                continue;
+            }
+            st.stats.misses += 1;
+            if let Some(inf) = st.inflight.get_mut(&key) {
+                if inf.priority == Priority::Prefetch && inf.waiters.is_empty() {
+                    st.stats.prefetch_used += 1;
+                }
+                let inf = st.inflight.get_mut(&key).expect("present");
+                inf.waiters.push(tx.clone());
+                inf.priority = inf.priority.min(priority);
+                continue;
+            }
+            match inner.choose_copy(&st, key, &[]) {
+                Some(copy) => {
+                    st.inflight.insert(
+                        key,
+                        Inflight {
+                            waiters: vec![tx.clone()],
+                            priority,
+                            tried: vec![],
+                            started: false,
+                        },
+                    );
+                    inner.enqueue(&mut st, key, copy, priority);
+                }
+                None => {
+                    let _ = tx.send((
+                        e,
+                        Err(Error::Unavailable {
+                            layer,
+                            expert: e as usize,
+                            last: "no copy recorded".into(),
+                        }),
+                    ));
+                }
+            }
+        }
+        drop(st);
+        inner.work.notify_all();
+        rx
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        let inner = &self.inner;
+        let mut st = inner.state.lock().expect("poisoned");
+        for &e in experts {
+            let key = (layer, e);
+            if st.cache.contains_key(&key) || st.inflight.contains_key(&key) {
+                continue;
+            }
+            if let Some(copy) = inner.choose_copy(&st, key, &[]) {
+                st.inflight.insert(
+                    key,
+                    Inflight {
+                        waiters: vec![],
+                        priority: Priority::Prefetch,
+                        tried: vec![],
+                        started: false,
+                    },
+                );
+                inner.enqueue(&mut st, key, copy, Priority::Prefetch);
+                st.stats.prefetch_issued += 1;
+            }
+        }
+        drop(st);
+        inner.work.notify_all();
+    }
+
+    fn stats(&self) -> SourceStats {
+        let st = self.inner.state.lock().expect("poisoned");
+        let mut s = st.stats.clone();
+        s.per_home = st.homes.iter().map(|h| h.stats.clone()).collect();
+        s.cache_peak_bytes = s.cache_peak_bytes.max(self.inner.budget.peak());
+        s
+    }
+
+    fn expert_bytes(&self) -> u64 {
+        self.inner.shape.total_bytes() as u64
+    }
+}
