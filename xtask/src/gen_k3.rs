@@ -156,9 +156,7 @@ impl Preset {
     }
 
     fn kda_layers(&self) -> Vec<usize> {
-        (1..=self.layers)
-            .filter(|l| !self.mla_layers.contains(l))
-            .collect()
+        (1..=self.layers).filter(|l| !self.mla_layers.contains(l)).collect()
     }
 }
 
@@ -293,12 +291,7 @@ impl Spec {
 }
 
 fn bf16(name: String, shape: Vec<usize>, std: f32) -> Spec {
-    Spec {
-        name,
-        dtype: "BF16",
-        shape,
-        init: Init::Bf16(std),
-    }
+    Spec { name, dtype: "BF16", shape, init: Init::Bf16(std) }
 }
 
 fn linear(name: String, out: usize, inp: usize) -> Spec {
@@ -306,12 +299,7 @@ fn linear(name: String, out: usize, inp: usize) -> Spec {
 }
 
 fn norm(name: String, n: usize) -> Spec {
-    Spec {
-        name,
-        dtype: "BF16",
-        shape: vec![n],
-        init: Init::Bf16Norm,
-    }
+    Spec { name, dtype: "BF16", shape: vec![n], init: Init::Bf16Norm }
 }
 
 fn specs(p: &Preset) -> Vec<Vec<Spec>> {
@@ -326,42 +314,18 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
         g.push(norm(format!("{pre}.post_attention_layernorm.weight"), h));
         for r in ["self_attention_res", "mlp_res"] {
             g.push(norm(format!("{pre}.{r}_norm.weight"), h));
-            g.push(bf16(
-                format!("{pre}.{r}_proj.weight"),
-                vec![1, h],
-                1.0 / (h as f32).sqrt(),
-            ));
+            g.push(bf16(format!("{pre}.{r}_proj.weight"), vec![1, h], 1.0 / (h as f32).sqrt()));
         }
         let a = format!("{pre}.self_attn");
         if p.mla_layers.contains(&(l + 1)) {
             g.push(linear(format!("{a}.q_a_proj.weight"), p.q_lora, h));
             g.push(norm(format!("{a}.q_a_layernorm.weight"), p.q_lora));
-            g.push(linear(
-                format!("{a}.q_b_proj.weight"),
-                p.mla_heads * (p.nope + p.rope),
-                p.q_lora,
-            ));
-            g.push(linear(
-                format!("{a}.kv_a_proj_with_mqa.weight"),
-                p.kv_lora + p.rope,
-                h,
-            ));
+            g.push(linear(format!("{a}.q_b_proj.weight"), p.mla_heads * (p.nope + p.rope), p.q_lora));
+            g.push(linear(format!("{a}.kv_a_proj_with_mqa.weight"), p.kv_lora + p.rope, h));
             g.push(norm(format!("{a}.kv_a_layernorm.weight"), p.kv_lora));
-            g.push(linear(
-                format!("{a}.kv_b_proj.weight"),
-                p.mla_heads * (p.nope + p.v_dim),
-                p.kv_lora,
-            ));
-            g.push(linear(
-                format!("{a}.o_proj.weight"),
-                h,
-                p.mla_heads * p.v_dim,
-            ));
-            g.push(linear(
-                format!("{a}.g_proj.weight"),
-                p.mla_heads * p.v_dim,
-                h,
-            ));
+            g.push(linear(format!("{a}.kv_b_proj.weight"), p.mla_heads * (p.nope + p.v_dim), p.kv_lora));
+            g.push(linear(format!("{a}.o_proj.weight"), h, p.mla_heads * p.v_dim));
+            g.push(linear(format!("{a}.g_proj.weight"), p.mla_heads * p.v_dim, h));
         } else {
             for n in ["q", "k", "v"] {
                 g.push(linear(format!("{a}.{n}_proj.weight"), c, h));
@@ -369,10 +333,7 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
                     name: format!("{a}.{n}_conv1d.weight"),
                     dtype: "F32",
                     shape: vec![c, 1, 4],
-                    init: Init::F32 {
-                        mean: 0.0,
-                        std: 0.5,
-                    },
+                    init: Init::F32 { mean: 0.0, std: 0.5 },
                 });
             }
             g.push(linear(format!("{a}.f_a_proj.weight"), p.kda_dim, h));
@@ -385,32 +346,17 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
                 shape: vec![p.kda_dim.max(p.kda_heads)],
                 init: Init::ALog { heads: p.kda_heads },
             });
-            g.push(Spec {
-                name: format!("{a}.dt_bias"),
-                dtype: "F32",
-                shape: vec![c],
-                init: Init::F32 {
-                    mean: 0.0,
-                    std: 0.5,
-                },
-            });
+            g.push(Spec { name: format!("{a}.dt_bias"), dtype: "F32", shape: vec![c], init: Init::F32 { mean: 0.0, std: 0.5 } });
             g.push(Spec {
                 name: format!("{a}.o_norm.weight"),
                 dtype: "F32",
                 shape: vec![p.kda_dim],
-                init: Init::F32 {
-                    mean: 1.0,
-                    std: 0.05,
-                },
+                init: Init::F32 { mean: 1.0, std: 0.05 },
             });
             g.push(linear(format!("{a}.o_proj.weight"), h, c));
         }
         if l == 0 {
-            for (n, o, i) in [
-                ("gate_proj", p.dense_inter, h),
-                ("up_proj", p.dense_inter, h),
-                ("down_proj", h, p.dense_inter),
-            ] {
+            for (n, o, i) in [("gate_proj", p.dense_inter, h), ("up_proj", p.dense_inter, h), ("down_proj", h, p.dense_inter)] {
                 g.push(linear(format!("{pre}.mlp.{n}.weight"), o, i));
             }
         } else {
@@ -420,28 +366,13 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
                 name: format!("{b}.gate.e_score_correction_bias"),
                 dtype: "F32",
                 shape: vec![p.experts],
-                init: Init::F32 {
-                    mean: 0.0,
-                    std: 0.05,
-                },
+                init: Init::F32 { mean: 0.0, std: 0.05 },
             });
-            g.push(linear(
-                format!("{b}.routed_expert_down_proj.weight"),
-                p.latent,
-                h,
-            ));
+            g.push(linear(format!("{b}.routed_expert_down_proj.weight"), p.latent, h));
             g.push(norm(format!("{b}.routed_expert_norm.weight"), p.latent));
-            g.push(linear(
-                format!("{b}.routed_expert_up_proj.weight"),
-                h,
-                p.latent,
-            ));
+            g.push(linear(format!("{b}.routed_expert_up_proj.weight"), h, p.latent));
             let si = p.moe_inter * p.shared;
-            for (n, o, i) in [
-                ("gate_proj", si, h),
-                ("up_proj", si, h),
-                ("down_proj", h, si),
-            ] {
+            for (n, o, i) in [("gate_proj", si, h), ("up_proj", si, h), ("down_proj", h, si)] {
                 if si > 0 {
                     g.push(linear(format!("{b}.shared_experts.{n}.weight"), o, i));
                 }
@@ -449,18 +380,9 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
             groups.push(g);
             for e in 0..p.experts {
                 let mut eg = Vec::new();
-                for (w, rows, cols) in [
-                    ("w1", p.moe_inter, p.latent),
-                    ("w2", p.latent, p.moe_inter),
-                    ("w3", p.moe_inter, p.latent),
-                ] {
+                for (w, rows, cols) in [("w1", p.moe_inter, p.latent), ("w2", p.latent, p.moe_inter), ("w3", p.moe_inter, p.latent)] {
                     let x = format!("{b}.experts.{e}.{w}");
-                    eg.push(Spec {
-                        name: format!("{x}.weight_packed"),
-                        dtype: "U8",
-                        shape: vec![rows, cols / 2],
-                        init: Init::Packed,
-                    });
+                    eg.push(Spec { name: format!("{x}.weight_packed"), dtype: "U8", shape: vec![rows, cols / 2], init: Init::Packed });
                     eg.push(Spec {
                         name: format!("{x}.weight_scale"),
                         dtype: "U8",
@@ -475,31 +397,15 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
         groups.push(g);
     }
     groups.push(vec![
-        bf16(
-            format!("{m}.embed_tokens.weight"),
-            vec![p.bpe_ranks + 256, h],
-            1.0,
-        ),
+        bf16(format!("{m}.embed_tokens.weight"), vec![p.bpe_ranks + 256, h], 1.0),
         norm(format!("{m}.norm.weight"), h),
         norm(format!("{m}.output_attn_res_norm.weight"), h),
-        bf16(
-            format!("{m}.output_attn_res_proj.weight"),
-            vec![1, h],
-            1.0 / (h as f32).sqrt(),
-        ),
-        bf16(
-            "language_model.lm_head.weight".into(),
-            vec![p.bpe_ranks + 256, h],
-            4.0 / (h as f32).sqrt(),
-        ),
+        bf16(format!("{m}.output_attn_res_proj.weight"), vec![1, h], 1.0 / (h as f32).sqrt()),
+        bf16("language_model.lm_head.weight".into(), vec![p.bpe_ranks + 256, h], 4.0 / (h as f32).sqrt()),
     ]);
     // A stand-in for the vision tower the release carries (text inference must ignore it).
     groups.push(vec![
-        bf16(
-            "vision_tower.patch_embed.proj.weight".into(),
-            vec![32, 3, 2, 2],
-            0.1,
-        ),
+        bf16("vision_tower.patch_embed.proj.weight".into(), vec![32, 3, 2, 2], 0.1),
         norm("mm_projector.post_norm.weight".into(), 32),
     ]);
     groups
@@ -566,11 +472,7 @@ fn write_values(spec: &Spec, seed: u64, out: &mut impl Write) -> Result<()> {
         }
         Init::ALog { heads } => {
             for i in 0..n {
-                let v = if i < heads {
-                    (1.0 + 7.5 * (rng.unit() + 1.0)).ln()
-                } else {
-                    0.0
-                };
+                let v = if i < heads { (1.0 + 7.5 * (rng.unit() + 1.0)).ln() } else { 0.0 };
                 buf.extend_from_slice(&v.to_le_bytes());
             }
         }
@@ -600,13 +502,7 @@ fn write_values(spec: &Spec, seed: u64, out: &mut impl Write) -> Result<()> {
 /// The first `n` ranks of the real o200k file (found in the tiktoken-rs package via cargo).
 fn o200k_prefix(n: usize) -> Result<String> {
     let out = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--manifest-path",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
-        ])
+        .args(["metadata", "--format-version", "1", "--manifest-path", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")])
         .output()
         .context("running `cargo metadata` to find the o200k rank file")?;
     let v: Value = serde_json::from_slice(&out.stdout).context("parsing cargo metadata")?;
@@ -618,8 +514,7 @@ fn o200k_prefix(n: usize) -> Result<String> {
         .parent()
         .context("package dir")?
         .join("assets/o200k_base.tiktoken");
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let lines: Vec<&str> = text.lines().take(n).collect();
     if lines.len() < n {
         bail!("{} has only {} ranks", path.display(), lines.len());
@@ -636,7 +531,10 @@ fn tokenizer_config(p: &Preset) -> Value {
             .find(|(o, _)| *o == off)
             .map(|(_, s)| s.to_string())
             .unwrap_or_else(|| format!("<|reserved_token_{}|>", n + off));
-        added.insert((n + off).to_string(), json!({"content": name, "lstrip": false, "normalized": false, "rstrip": false, "single_word": false, "special": true}));
+        added.insert(
+            (n + off).to_string(),
+            json!({"content": name, "lstrip": false, "normalized": false, "rstrip": false, "single_word": false, "special": true}),
+        );
     }
     json!({
         "added_tokens_decoder": added,
@@ -657,11 +555,7 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Writes the checkpoint for `preset` with `seed` into `out`.
 pub fn generate(preset: &str, seed: u64, out: &Path) -> Result<()> {
-    let p = if preset == "rand" {
-        Preset::random(seed)
-    } else {
-        Preset::by_name(preset)?
-    };
+    let p = if preset == "rand" { Preset::random(seed) } else { Preset::by_name(preset)? };
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     // Pack tensor groups into shards of about `shard_bytes`, never splitting a group (an expert's
     // six records stay together).
@@ -678,16 +572,9 @@ pub fn generate(preset: &str, seed: u64, out: &Path) -> Result<()> {
         shards.last_mut().expect("one shard").extend(g);
     }
     let total: u64 = shards.iter().flatten().map(Spec::bytes).sum();
-    let bar = if quiet() {
-        indicatif::ProgressBar::hidden()
-    } else {
-        indicatif::ProgressBar::new(total)
-    }
-    .with_style(
-        indicatif::ProgressStyle::with_template(
-            "gen-k3 {msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
-        )
-        .expect("template"),
+    let bar = if quiet() { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(total) }.with_style(
+        indicatif::ProgressStyle::with_template("gen-k3 {msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}")
+            .expect("template"),
     );
     bar.set_message(p.name);
     bar.set_length(total);
@@ -699,10 +586,7 @@ pub fn generate(preset: &str, seed: u64, out: &Path) -> Result<()> {
         header.insert("__metadata__".into(), json!({"format": "pt"}));
         let mut off = 0u64;
         for s in shard {
-            header.insert(
-                s.name.clone(),
-                json!({"dtype": s.dtype, "shape": s.shape, "data_offsets": [off, off + s.bytes()]}),
-            );
+            header.insert(s.name.clone(), json!({"dtype": s.dtype, "shape": s.shape, "data_offsets": [off, off + s.bytes()]}));
             off += s.bytes();
             weight_map.insert(s.name.clone(), json!(fname));
         }
@@ -712,10 +596,7 @@ pub fn generate(preset: &str, seed: u64, out: &Path) -> Result<()> {
         }
         let path = out.join(&fname);
         let tmp = path.with_extension("tmp");
-        let mut w = BufWriter::with_capacity(
-            4 << 20,
-            File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
-        );
+        let mut w = BufWriter::with_capacity(4 << 20, File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
         w.write_all(&(hbytes.len() as u64).to_le_bytes())?;
         w.write_all(&hbytes)?;
         for s in shard {
@@ -728,36 +609,17 @@ pub fn generate(preset: &str, seed: u64, out: &Path) -> Result<()> {
     bar.finish();
     write_atomic(
         &out.join("model.safetensors.index.json"),
-        &serde_json::to_vec_pretty(
-            &json!({"metadata": {"total_size": total}, "weight_map": weight_map}),
-        )?,
+        &serde_json::to_vec_pretty(&json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?,
     )?;
-    write_atomic(
-        &out.join("tiktoken.model"),
-        o200k_prefix(p.bpe_ranks)?.as_bytes(),
-    )?;
-    write_atomic(
-        &out.join("tokenizer_config.json"),
-        &serde_json::to_vec_pretty(&tokenizer_config(&p))?,
-    )?;
+    write_atomic(&out.join("tiktoken.model"), o200k_prefix(p.bpe_ranks)?.as_bytes())?;
+    write_atomic(&out.join("tokenizer_config.json"), &serde_json::to_vec_pretty(&tokenizer_config(&p))?)?;
     write_atomic(
         &out.join("generation_config.json"),
-        &serde_json::to_vec_pretty(
-            &json!({"bos_token_id": p.bpe_ranks, "eos_token_id": p.bpe_ranks + 2, "do_sample": false}),
-        )?,
+        &serde_json::to_vec_pretty(&json!({"bos_token_id": p.bpe_ranks, "eos_token_id": p.bpe_ranks + 2, "do_sample": false}))?,
     )?;
-    write_atomic(
-        &out.join("config.json"),
-        &serde_json::to_vec_pretty(&config_json(&p))?,
-    )?;
+    write_atomic(&out.join("config.json"), &serde_json::to_vec_pretty(&config_json(&p))?)?;
     if !quiet() {
-        eprintln!(
-            "wrote {} ({} shards, {:.1} MB) to {}",
-            p.name,
-            count,
-            total as f64 / 1e6,
-            out.display()
-        );
+        eprintln!("wrote {} ({} shards, {:.1} MB) to {}", p.name, count, total as f64 / 1e6, out.display());
     }
     Ok(())
 }

@@ -38,11 +38,7 @@ pub fn run(seeds: &[u64], tokens: usize) -> Result<()> {
         crate::gen_k3::generate("rand", seed, &tmp)?;
         let ids = prompt_ids(seed, tokens, 1024);
         let out = dir.join(format!("rand-{seed}.safetensors"));
-        let list = ids
-            .iter()
-            .map(|i| i.to_string())
-            .collect::<Vec<_>>()
-            .join(",");
+        let list = ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
         let status = Command::new("python3")
             .arg(&script)
             .arg(&tmp)
@@ -61,10 +57,7 @@ pub fn run(seeds: &[u64], tokens: usize) -> Result<()> {
         "about": "float32 logits from mlx-lm 0.32.2 kimi_k3 (mlx[cpu]) for `cargo xtask gen-k3 --preset rand --seed N`; written by `cargo xtask oracle`",
         "models": entries
     });
-    std::fs::write(
-        dir.join("manifest.json"),
-        serde_json::to_vec_pretty(&manifest)?,
-    )?;
+    std::fs::write(dir.join("manifest.json"), serde_json::to_vec_pretty(&manifest)?)?;
     eprintln!("wrote {} fixtures to {}", seeds.len(), dir.display());
     Ok(())
 }

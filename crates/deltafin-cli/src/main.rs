@@ -7,11 +7,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(
-    name = "deltafin",
-    version,
-    about = "Exact Kimi K3 inference with experts streamed from SSDs"
-)]
+#[command(name = "deltafin", version, about = "Exact Kimi K3 inference with experts streamed from SSDs")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -44,11 +44,7 @@ impl ModelArgs {
             .prefill_chunk(self.prefill_chunk)
             .prefetch(!self.no_prefetch)
             .ram_budget(self.ram_budget)
-            .cache_mode(if self.page_cache {
-                deltafin_sched::CacheMode::Buffered
-            } else {
-                deltafin_sched::CacheMode::Direct
-            })
+            .cache_mode(if self.page_cache { deltafin_sched::CacheMode::Buffered } else { deltafin_sched::CacheMode::Direct })
             .queue_depth(self.queue_depth)
             .pin_bytes(self.pin.unwrap_or(0))
             .open()
@@ -94,16 +90,12 @@ fn prompt_ids(model: &LoadedModel, a: &RunArgs) -> Result<Vec<u32>> {
                 eprintln!("reading the prompt from stdin (end with Ctrl-D)...");
             }
             let mut s = String::new();
-            std::io::stdin()
-                .read_to_string(&mut s)
-                .context("reading the prompt from stdin")?;
+            std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
             s
         }
     };
     if a.chat {
-        Ok(model
-            .chat()?
-            .render(&[Message::new(Role::User, text)], None)?)
+        Ok(model.chat()?.render(&[Message::new(Role::User, text)], None)?)
     } else {
         Ok(model.tokenizer().encode_ordinary(&text))
     }
@@ -115,15 +107,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty: give --prompt TEXT, --ids 1,2,3, or text on stdin");
     }
-    let stop_ids = if a.chat {
-        model.chat()?.stop_ids()
-    } else {
-        Vec::new()
-    };
-    let opts = GenerateOptions {
-        max_new: a.max_new,
-        stop_ids,
-    };
+    let stop_ids = if a.chat { model.chat()?.stop_ids() } else { Vec::new() };
+    let opts = GenerateOptions { max_new: a.max_new, stop_ids };
     let mut seq = model.new_sequence();
     let mut out = std::io::stdout().lock();
     let mut dec = model.tokenizer().stream();
@@ -146,14 +131,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
     }
     if a.print_ids {
-        writeln!(
-            out,
-            "{}",
-            ids.iter()
-                .map(|i| i.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        )?;
+        writeln!(out, "{}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","))?;
     } else {
         write!(out, "{}", dec.finish())?;
         writeln!(out)?;
@@ -174,8 +152,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     if let Some(path) = &a.stats_json {
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&stats)?)
-            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&stats)?).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, path)?;
     }
     Ok(())
@@ -198,20 +175,11 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     let mut seq = model.new_sequence();
     let (l, _) = model.engine().forward(&mut seq, &a.ids, LogitRows::All)?;
     let bytes: Vec<u8> = l.data.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(
-        safetensors::Dtype::F32,
-        vec![l.rows, l.cols],
-        &bytes,
-    )?;
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![l.rows, l.cols], &bytes)?;
     let data = safetensors::serialize([("logits", view)], &None)?;
     let tmp = a.out.with_extension("tmp");
     std::fs::write(&tmp, data).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, &a.out).with_context(|| format!("writing {}", a.out.display()))?;
-    eprintln!(
-        "wrote logits [{}, {}] to {}",
-        l.rows,
-        l.cols,
-        a.out.display()
-    );
+    eprintln!("wrote logits [{}, {}] to {}", l.rows, l.cols, a.out.display());
     Ok(())
 }

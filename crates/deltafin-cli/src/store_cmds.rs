@@ -14,20 +14,16 @@ pub struct Bars {
 
 impl Bars {
     pub fn new() -> Bars {
-        Bars {
-            bar: std::sync::Mutex::new(None),
-        }
+        Bars { bar: std::sync::Mutex::new(None) }
     }
 }
 
 impl Progress for Bars {
     fn begin(&self, phase: &str, total: u64) {
         let b = ProgressBar::new(total).with_style(
-            ProgressStyle::with_template(
-                "{msg:>8} [{bar:32}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
-            )
-            .expect("template")
-            .progress_chars("=> "),
+            ProgressStyle::with_template("{msg:>8} [{bar:32}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}")
+                .expect("template")
+                .progress_chars("=> "),
         );
         b.set_message(phase.to_string());
         *self.bar.lock().expect("poisoned") = Some(b);
@@ -74,11 +70,7 @@ pub fn run_setup(a: SetupArgs) -> Result<()> {
         source: a.from.clone(),
         out: a.out.clone(),
         homes: a.homes.clone(),
-        layout: if a.in_place {
-            ExpertLayoutKind::InPlace
-        } else {
-            ExpertLayoutKind::Packs
-        },
+        layout: if a.in_place { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs },
         copies: a.copies,
     };
     let m = setup(&opts, &Bars::new())?;
@@ -120,23 +112,15 @@ pub fn run_doctor(a: DoctorArgs) -> Result<()> {
     for p in &r.problems {
         eprintln!("problem: {p}");
     }
-    bail!(
-        "{} problem(s) found in {}; re-run `deltafin setup` with the same arguments to repair",
-        r.problems.len(),
-        a.model.display()
-    )
+    bail!("{} problem(s) found in {}; re-run `deltafin setup` with the same arguments to repair", r.problems.len(), a.model.display())
 }
 
 /// Parses sizes like `512M`, `2G`, `1.5GiB`, `4096`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (try 512M, 2G, 1.5GiB)"))?;
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (try 512M, 2G, 1.5GiB)"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kb" => 1e3,
@@ -147,11 +131,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "gib" => 1024.0 * 1024.0 * 1024.0,
         "t" | "tb" => 1e12,
         "tib" => 1024f64.powi(4),
-        other => {
-            return Err(format!(
-                "unknown size unit {other:?} in {s:?} (use K, M, G, T, or KiB, MiB, GiB)"
-            ))
-        }
+        other => return Err(format!("unknown size unit {other:?} in {s:?} (use K, M, G, T, or KiB, MiB, GiB)")),
     };
     Ok((n * mult) as u64)
 }

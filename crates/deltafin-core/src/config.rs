@@ -101,21 +101,12 @@ impl K3Config {
     /// Parses `config.json` text (the root `kimi_k3` object, or a bare `kimi_linear` text config).
     pub fn from_json(text: &str) -> Result<K3Config> {
         let root: Value = serde_json::from_str(text).map_err(|e| Error::Json(e.to_string()))?;
-        let root_fields = Fields {
-            v: &root,
-            path: String::new(),
-        };
+        let root_fields = Fields { v: &root, path: String::new() };
         let model_type = root_fields.str("model_type")?;
         let tc = match model_type.as_str() {
             "kimi_k3" => root_fields.obj("text_config")?,
             "kimi_linear" => root_fields.clone(),
-            other => {
-                return Err(unsupported(
-                    "model_type",
-                    other,
-                    "expected `kimi_k3` or `kimi_linear`",
-                ))
-            }
+            other => return Err(unsupported("model_type", other, "expected `kimi_k3` or `kimi_linear`")),
         };
         Self::from_text_config(&tc, &root_fields)
     }
@@ -125,21 +116,11 @@ impl K3Config {
         expect_str(tc, "moe_router_activation_func", "sigmoid")?;
         expect_str(tc, "topk_method", "noaux_tc")?;
         if !tc.bool_or("mla_use_nope", false)? {
-            return Err(unsupported(
-                &tc.name("mla_use_nope"),
-                "false",
-                "only NoPE MLA exists in K3",
-            ));
+            return Err(unsupported(&tc.name("mla_use_nope"), "false", "only NoPE MLA exists in K3"));
         }
-        if tc.opt("num_nextn_predict_layers").is_some()
-            && tc.usize("num_nextn_predict_layers")? != 0
-        {
+        if tc.opt("num_nextn_predict_layers").is_some() && tc.usize("num_nextn_predict_layers")? != 0 {
             let n = tc.usize("num_nextn_predict_layers")?;
-            return Err(unsupported(
-                &tc.name("num_nextn_predict_layers"),
-                &n.to_string(),
-                "MTP heads are not supported",
-            ));
+            return Err(unsupported(&tc.name("num_nextn_predict_layers"), &n.to_string(), "MTP heads are not supported"));
         }
         let num_layers = tc.usize("num_hidden_layers")?;
         let hidden_size = tc.usize("hidden_size")?;
@@ -147,13 +128,14 @@ impl K3Config {
         let full = la.usize_list("full_attn_layers")?;
         let kda = la.usize_list("kda_layers")?;
         let mut attention = vec![None; num_layers];
-        for (list, kind, field) in [
-            (&full, AttentionKind::Mla, "full_attn_layers"),
-            (&kda, AttentionKind::Kda, "kda_layers"),
-        ] {
+        for (list, kind, field) in [(&full, AttentionKind::Mla, "full_attn_layers"), (&kda, AttentionKind::Kda, "kda_layers")] {
             for &one_based in list {
                 if one_based == 0 || one_based > num_layers {
-                    return Err(unsupported(&la.name(field), &one_based.to_string(), &format!("layer indices are 1-based and at most num_hidden_layers = {num_layers}")));
+                    return Err(unsupported(
+                        &la.name(field),
+                        &one_based.to_string(),
+                        &format!("layer indices are 1-based and at most num_hidden_layers = {num_layers}"),
+                    ));
                 }
                 if attention[one_based - 1].replace(kind).is_some() {
                     return Err(unsupported(
@@ -182,20 +164,10 @@ impl K3Config {
         let first_dense = tc.usize("first_k_dense_replace")?;
         let freq = tc.usize("moe_layer_freq")?;
         if freq == 0 {
-            return Err(unsupported(
-                &tc.name("moe_layer_freq"),
-                "0",
-                "must be at least 1",
-            ));
+            return Err(unsupported(&tc.name("moe_layer_freq"), "0", "must be at least 1"));
         }
         let mlp = (0..num_layers)
-            .map(|l| {
-                if num_experts > 0 && l >= first_dense && l % freq == 0 {
-                    MlpKind::Moe
-                } else {
-                    MlpKind::Dense
-                }
-            })
+            .map(|l| if num_experts > 0 && l >= first_dense && l % freq == 0 { MlpKind::Moe } else { MlpKind::Dense })
             .collect();
 
         let experts_per_token = tc.usize("num_experts_per_token")?;
@@ -210,16 +182,17 @@ impl K3Config {
             let groups = tc.usize("num_expert_group")?;
             let topk_group = tc.usize("topk_group")?;
             if groups != topk_group {
-                return Err(unsupported(&tc.name("topk_group"), &topk_group.to_string(), &format!("grouped routing must be a no-op (topk_group = num_expert_group = {groups})")));
+                return Err(unsupported(
+                    &tc.name("topk_group"),
+                    &topk_group.to_string(),
+                    &format!("grouped routing must be a no-op (topk_group = num_expert_group = {groups})"),
+                ));
             }
         }
         let group_size = quant_group_size(tc)?;
         let moe_intermediate_size = tc.usize("moe_intermediate_size")?;
         let latent_size = tc.usize("routed_expert_hidden_size")?;
-        for (field, v) in [
-            ("moe_intermediate_size", moe_intermediate_size),
-            ("routed_expert_hidden_size", latent_size),
-        ] {
+        for (field, v) in [("moe_intermediate_size", moe_intermediate_size), ("routed_expert_hidden_size", latent_size)] {
             if v % group_size != 0 || v == 0 {
                 return Err(unsupported(
                     &tc.name(field),
@@ -237,10 +210,7 @@ impl K3Config {
             situ_beta: tc.f32("activation_situ_beta")?,
             situ_linear_beta: tc.f32("activation_situ_linear_beta")?,
             attn_res_block_size: tc.usize("attn_res_block_size")?,
-            tie_word_embeddings: root.bool_or(
-                "tie_word_embeddings",
-                tc.bool_or("tie_word_embeddings", false)?,
-            )?,
+            tie_word_embeddings: root.bool_or("tie_word_embeddings", tc.bool_or("tie_word_embeddings", false)?)?,
             attention,
             mlp,
             kda_heads: la.usize("num_heads")?,
@@ -268,11 +238,7 @@ impl K3Config {
             pad_token_id: root.u32_or_inner("pad_token_id", tc)?,
         };
         if !la.bool_or("use_full_rank_gate", true)? {
-            return Err(unsupported(
-                &la.name("use_full_rank_gate"),
-                "false",
-                "K3 uses a full-rank output gate `g_proj`",
-            ));
+            return Err(unsupported(&la.name("use_full_rank_gate"), "false", "K3 uses a full-rank output gate `g_proj`"));
         }
         for (field, v) in [
             ("hidden_size", cfg.hidden_size),
@@ -286,36 +252,22 @@ impl K3Config {
             }
         }
         if cfg.conv_kernel < 1 {
-            return Err(unsupported(
-                &la.name("short_conv_kernel_size"),
-                "0",
-                "must be positive",
-            ));
+            return Err(unsupported(&la.name("short_conv_kernel_size"), "0", "must be positive"));
         }
         if !(cfg.rms_norm_eps > 0.0) {
-            return Err(unsupported(
-                &tc.name("rms_norm_eps"),
-                &cfg.rms_norm_eps.to_string(),
-                "must be positive",
-            ));
+            return Err(unsupported(&tc.name("rms_norm_eps"), &cfg.rms_norm_eps.to_string(), "must be positive"));
         }
         Ok(cfg)
     }
 
     /// The byte shape of one routed expert.
     pub fn expert_shape(&self) -> ExpertShape {
-        ExpertShape {
-            inter: self.moe_intermediate_size,
-            latent: self.latent_size,
-            group: self.group_size,
-        }
+        ExpertShape { inter: self.moe_intermediate_size, latent: self.latent_size, group: self.group_size }
     }
 
     /// Indices of MoE layers.
     pub fn moe_layers(&self) -> Vec<usize> {
-        (0..self.num_layers)
-            .filter(|&l| self.mlp[l] == MlpKind::Moe)
-            .collect()
+        (0..self.num_layers).filter(|&l| self.mlp[l] == MlpKind::Moe).collect()
     }
 
     /// Whether a layer starts an Attention-Residual block.
@@ -338,11 +290,7 @@ fn quant_group_size(tc: &Fields<'_>) -> Result<usize> {
     let q = tc.obj("quantization_config")?;
     let format = q.str("format")?;
     if format != "mxfp4-pack-quantized" {
-        return Err(unsupported(
-            &q.name("format"),
-            &format,
-            "only `mxfp4-pack-quantized` experts are supported",
-        ));
+        return Err(unsupported(&q.name("format"), &format, "only `mxfp4-pack-quantized` experts are supported"));
     }
     let groups = q.obj("config_groups")?;
     let mut size = None;
@@ -351,55 +299,32 @@ fn quant_group_size(tc: &Fields<'_>) -> Result<usize> {
             let w = groups.obj(key)?.obj("weights")?;
             let bits = w.usize("num_bits")?;
             if bits != 4 {
-                return Err(unsupported(
-                    &w.name("num_bits"),
-                    &bits.to_string(),
-                    "MXFP4 has 4 bits",
-                ));
+                return Err(unsupported(&w.name("num_bits"), &bits.to_string(), "MXFP4 has 4 bits"));
             }
             let ty = w.str("type")?;
             if ty != "float" {
-                return Err(unsupported(
-                    &w.name("type"),
-                    &ty,
-                    "MXFP4 is a float (E2M1) format",
-                ));
+                return Err(unsupported(&w.name("type"), &ty, "MXFP4 is a float (E2M1) format"));
             }
             let g = w.usize("group_size")?;
             if g != 32 {
-                return Err(unsupported(
-                    &w.name("group_size"),
-                    &g.to_string(),
-                    "MXFP4 groups are 32 wide",
-                ));
+                return Err(unsupported(&w.name("group_size"), &g.to_string(), "MXFP4 groups are 32 wide"));
             }
             size = Some(g);
         }
     }
-    size.ok_or_else(|| Error::MissingField {
-        field: groups.name("group_0"),
-        expected: "object",
-    })
+    size.ok_or_else(|| Error::MissingField { field: groups.name("group_0"), expected: "object" })
 }
 
 fn expect_str(f: &Fields<'_>, key: &str, want: &str) -> Result<()> {
     let got = f.str(key)?;
     if got != want {
-        return Err(unsupported(
-            &f.name(key),
-            &format!("{got:?}"),
-            &format!("K3 uses {want:?}"),
-        ));
+        return Err(unsupported(&f.name(key), &format!("{got:?}"), &format!("K3 uses {want:?}")));
     }
     Ok(())
 }
 
 fn unsupported(field: &str, value: &str, why: &str) -> Error {
-    Error::Unsupported {
-        field: field.to_string(),
-        value: value.to_string(),
-        why: why.to_string(),
-    }
+    Error::Unsupported { field: field.to_string(), value: value.to_string(), why: why.to_string() }
 }
 
 /// A JSON object with its path, so every error names the full field (`text_config.hidden_size`).
@@ -421,84 +346,50 @@ impl<'a> Fields<'a> {
         self.v.get(key).filter(|v| !v.is_null())
     }
     fn get(&self, key: &str, expected: &'static str) -> Result<&'a Value> {
-        self.opt(key).ok_or_else(|| Error::MissingField {
-            field: self.name(key),
-            expected,
-        })
+        self.opt(key).ok_or_else(|| Error::MissingField { field: self.name(key), expected })
     }
     fn obj(&self, key: &str) -> Result<Fields<'a>> {
         let v = self.get(key, "object")?;
         if !v.is_object() {
-            return Err(Error::MissingField {
-                field: self.name(key),
-                expected: "object",
-            });
+            return Err(Error::MissingField { field: self.name(key), expected: "object" });
         }
-        Ok(Fields {
-            v,
-            path: self.name(key),
-        })
+        Ok(Fields { v, path: self.name(key) })
     }
     fn str(&self, key: &str) -> Result<String> {
         self.get(key, "string")?
             .as_str()
             .map(str::to_string)
-            .ok_or_else(|| Error::MissingField {
-                field: self.name(key),
-                expected: "string",
-            })
+            .ok_or_else(|| Error::MissingField { field: self.name(key), expected: "string" })
     }
     fn usize(&self, key: &str) -> Result<usize> {
         let v = self.get(key, "non-negative integer")?;
-        v.as_u64()
-            .map(|x| x as usize)
-            .ok_or_else(|| match v.as_i64() {
-                Some(n) => unsupported(&self.name(key), &n.to_string(), "must be non-negative"),
-                None => Error::MissingField {
-                    field: self.name(key),
-                    expected: "non-negative integer",
-                },
-            })
+        v.as_u64().map(|x| x as usize).ok_or_else(|| match v.as_i64() {
+            Some(n) => unsupported(&self.name(key), &n.to_string(), "must be non-negative"),
+            None => Error::MissingField { field: self.name(key), expected: "non-negative integer" },
+        })
     }
     fn f32(&self, key: &str) -> Result<f32> {
         let v = self.get(key, "number")?;
-        let x = v.as_f64().ok_or_else(|| Error::MissingField {
-            field: self.name(key),
-            expected: "number",
-        })?;
+        let x = v.as_f64().ok_or_else(|| Error::MissingField { field: self.name(key), expected: "number" })?;
         if !x.is_finite() {
-            return Err(unsupported(
-                &self.name(key),
-                &x.to_string(),
-                "must be finite",
-            ));
+            return Err(unsupported(&self.name(key), &x.to_string(), "must be finite"));
         }
         Ok(x as f32)
     }
     fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.opt(key) {
             None => Ok(default),
-            Some(v) => v.as_bool().ok_or_else(|| Error::MissingField {
-                field: self.name(key),
-                expected: "boolean",
-            }),
+            Some(v) => v.as_bool().ok_or_else(|| Error::MissingField { field: self.name(key), expected: "boolean" }),
         }
     }
     fn usize_list(&self, key: &str) -> Result<Vec<usize>> {
         let v = self.get(key, "array of integers")?;
-        let arr = v.as_array().ok_or_else(|| Error::MissingField {
-            field: self.name(key),
-            expected: "array of integers",
-        })?;
+        let arr = v.as_array().ok_or_else(|| Error::MissingField { field: self.name(key), expected: "array of integers" })?;
         arr.iter()
             .map(|x| {
-                x.as_u64().map(|n| n as usize).ok_or_else(|| {
-                    unsupported(
-                        &self.name(key),
-                        &x.to_string(),
-                        "entries must be non-negative integers",
-                    )
-                })
+                x.as_u64()
+                    .map(|n| n as usize)
+                    .ok_or_else(|| unsupported(&self.name(key), &x.to_string(), "entries must be non-negative integers"))
             })
             .collect()
     }
@@ -506,8 +397,7 @@ impl<'a> Fields<'a> {
     fn u32_or_inner(&self, key: &str, inner: &Fields<'_>) -> Result<u32> {
         let f = if self.opt(key).is_some() { self } else { inner };
         let v = f.usize(key)?;
-        u32::try_from(v)
-            .map_err(|_| unsupported(&f.name(key), &v.to_string(), "must fit in 32 bits"))
+        u32::try_from(v).map_err(|_| unsupported(&f.name(key), &v.to_string(), "must fit in 32 bits"))
     }
 }
 

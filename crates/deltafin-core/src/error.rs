@@ -8,17 +8,10 @@
 pub enum Error {
     /// A config field is missing or has the wrong JSON type.
     #[error("config: field `{field}` is missing or not a {expected}")]
-    MissingField {
-        field: String,
-        expected: &'static str,
-    },
+    MissingField { field: String, expected: &'static str },
     /// A config field holds a value the engine does not support.
     #[error("config: field `{field}` = {value} is not supported: {why}")]
-    Unsupported {
-        field: String,
-        value: String,
-        why: String,
-    },
+    Unsupported { field: String, value: String, why: String },
     /// The config text is not JSON.
     #[error("config: not valid JSON: {0}")]
     Json(String),
@@ -27,12 +20,7 @@ pub enum Error {
     MissingTensor { name: String },
     /// A tensor has the wrong shape or dtype.
     #[error("tensor `{name}` in {file}: expected {expected}, found {found}")]
-    BadTensor {
-        name: String,
-        file: String,
-        expected: String,
-        found: String,
-    },
+    BadTensor { name: String, file: String, expected: String, found: String },
     /// Bytes handed to a kernel do not match the declared layout.
     #[error("expert bytes: {0}")]
     ExpertLayout(String),

@@ -14,11 +14,7 @@ pub struct Mat {
 impl Mat {
     /// All zeros.
     pub fn zeros(rows: usize, cols: usize) -> Mat {
-        Mat {
-            rows,
-            cols,
-            data: vec![0.0; rows * cols],
-        }
+        Mat { rows, cols, data: vec![0.0; rows * cols] }
     }
     /// Wraps a vector of `rows * cols` values.
     pub fn from_vec(rows: usize, cols: usize, data: Vec<f32>) -> Mat {
@@ -37,11 +33,7 @@ impl Mat {
     }
     /// The rows `[start, start + n)` as a new matrix.
     pub fn rows_range(&self, start: usize, n: usize) -> Mat {
-        Mat::from_vec(
-            n,
-            self.cols,
-            self.data[start * self.cols..(start + n) * self.cols].to_vec(),
-        )
+        Mat::from_vec(n, self.cols, self.data[start * self.cols..(start + n) * self.cols].to_vec())
     }
     /// Selected rows, in the given order.
     pub fn gather(&self, rows: &[usize]) -> Mat {

@@ -46,32 +46,19 @@ impl Tokenizer {
     /// Builds from the text of a `tiktoken.model` file, the optional text of
     /// `tokenizer_config.json` (whose `added_tokens_decoder` names the reserved ids; K3's
     /// defaults are used without it) and a split pattern.
-    pub fn from_tiktoken(
-        ranks_text: &str,
-        tokenizer_config: Option<&str>,
-        pattern: &str,
-    ) -> Result<Tokenizer> {
+    pub fn from_tiktoken(ranks_text: &str, tokenizer_config: Option<&str>, pattern: &str) -> Result<Tokenizer> {
         let mut ranks = HashMap::new();
         let mut bytes_of: Vec<Vec<u8>> = Vec::new();
         for (lineno, line) in ranks_text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
             }
-            let bad = |why: &str| {
-                Error::Tokenizer(format!("rank file line {}: {why}: {line:?}", lineno + 1))
-            };
-            let (b64, rank) = line
-                .split_once(' ')
-                .ok_or_else(|| bad("expected `base64 rank`"))?;
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(b64)
-                .map_err(|_| bad("bad base64"))?;
+            let bad = |why: &str| Error::Tokenizer(format!("rank file line {}: {why}: {line:?}", lineno + 1));
+            let (b64, rank) = line.split_once(' ').ok_or_else(|| bad("expected `base64 rank`"))?;
+            let bytes = base64::engine::general_purpose::STANDARD.decode(b64).map_err(|_| bad("bad base64"))?;
             let rank: u32 = rank.trim().parse().map_err(|_| bad("bad rank"))?;
             if rank as usize != bytes_of.len() {
-                return Err(bad(&format!(
-                    "ranks must be consecutive from 0 (expected {})",
-                    bytes_of.len()
-                )));
+                return Err(bad(&format!("ranks must be consecutive from 0 (expected {})", bytes_of.len())));
             }
             if ranks.insert(bytes.clone(), rank).is_some() {
                 return Err(bad("duplicate token bytes"));
@@ -83,30 +70,23 @@ impl Tokenizer {
         }
         for b in 0..=255u8 {
             if !ranks.contains_key(&vec![b]) {
-                return Err(Error::Tokenizer(format!(
-                    "rank file lacks the single byte 0x{b:02x}; byte-level BPE needs all 256"
-                )));
+                return Err(Error::Tokenizer(format!("rank file lacks the single byte 0x{b:02x}; byte-level BPE needs all 256")));
             }
         }
         let n = bytes_of.len();
         let mut specials: HashMap<String, u32> = HashMap::new();
         match tokenizer_config {
             Some(text) => {
-                let v: serde_json::Value = serde_json::from_str(text)
-                    .map_err(|e| Error::Tokenizer(format!("tokenizer_config.json: {e}")))?;
+                let v: serde_json::Value =
+                    serde_json::from_str(text).map_err(|e| Error::Tokenizer(format!("tokenizer_config.json: {e}")))?;
                 if let Some(map) = v.get("added_tokens_decoder").and_then(|m| m.as_object()) {
                     for (id, tok) in map {
-                        let id: u32 = id.parse().map_err(|_| {
-                            Error::Tokenizer(format!(
-                                "tokenizer_config.json: id {id:?} is not a number"
-                            ))
-                        })?;
-                        let content =
-                            tok.get("content").and_then(|c| c.as_str()).ok_or_else(|| {
-                                Error::Tokenizer(format!(
-                                    "tokenizer_config.json: id {id} has no content"
-                                ))
-                            })?;
+                        let id: u32 =
+                            id.parse().map_err(|_| Error::Tokenizer(format!("tokenizer_config.json: id {id:?} is not a number")))?;
+                        let content = tok
+                            .get("content")
+                            .and_then(|c| c.as_str())
+                            .ok_or_else(|| Error::Tokenizer(format!("tokenizer_config.json: id {id} has no content")))?;
                         specials.insert(content.to_string(), id);
                     }
                 }
@@ -124,15 +104,8 @@ impl Tokenizer {
             }
         }
         let special_names = specials.iter().map(|(k, v)| (*v, k.clone())).collect();
-        let split = fancy_regex::Regex::new(pattern)
-            .map_err(|e| Error::Tokenizer(format!("split pattern: {e}")))?;
-        Ok(Tokenizer {
-            ranks,
-            bytes_of,
-            specials,
-            special_names,
-            split,
-        })
+        let split = fancy_regex::Regex::new(pattern).map_err(|e| Error::Tokenizer(format!("split pattern: {e}")))?;
+        Ok(Tokenizer { ranks, bytes_of, specials, special_names, split })
     }
 
     /// Number of BPE ranks.
@@ -142,13 +115,7 @@ impl Tokenizer {
 
     /// BPE ranks plus specials.
     pub fn vocab_len(&self) -> usize {
-        self.bytes_of.len().max(
-            self.special_names
-                .keys()
-                .map(|&k| k as usize + 1)
-                .max()
-                .unwrap_or(0),
-        )
+        self.bytes_of.len().max(self.special_names.keys().map(|&k| k as usize + 1).max().unwrap_or(0))
     }
 
     /// The id of a special token by its spelling (`<|open|>`).
@@ -228,11 +195,7 @@ impl Tokenizer {
     pub fn id_bytes(&self, id: u32) -> Vec<u8> {
         match self.bytes_of.get(id as usize) {
             Some(b) => b.clone(),
-            None => self
-                .special_names
-                .get(&id)
-                .map(|s| s.as_bytes().to_vec())
-                .unwrap_or_default(),
+            None => self.special_names.get(&id).map(|s| s.as_bytes().to_vec()).unwrap_or_default(),
         }
     }
 
@@ -249,10 +212,7 @@ impl Tokenizer {
 
     /// A streaming decoder that emits text only once its UTF-8 is complete.
     pub fn stream(&self) -> StreamDecoder<'_> {
-        StreamDecoder {
-            tok: self,
-            pending: Vec::new(),
-        }
+        StreamDecoder { tok: self, pending: Vec::new() }
     }
 }
 
@@ -300,24 +260,16 @@ pub struct HfTokenizer {
 impl HfTokenizer {
     /// Parses the bytes of a `tokenizer.json`.
     pub fn from_json_bytes(bytes: &[u8]) -> Result<HfTokenizer> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes)
-            .map_err(|e| Error::Tokenizer(format!("tokenizer.json: {e}")))?;
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| Error::Tokenizer(format!("tokenizer.json: {e}")))?;
         Ok(HfTokenizer { inner })
     }
     /// Encodes text without adding special tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self
-            .inner
-            .encode(text, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?
-            .get_ids()
-            .to_vec())
+        Ok(self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?.get_ids().to_vec())
     }
     /// Decodes ids.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))
+        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer(e.to_string()))
     }
     /// Vocabulary size including added tokens.
     pub fn vocab_len(&self) -> usize {

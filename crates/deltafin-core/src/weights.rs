@@ -37,20 +37,13 @@ impl std::fmt::Debug for Bytes {
 impl Bytes {
     /// A view of `owner[start..start + len]`; panics if out of range (a caller bug, not bad data).
     pub fn new(owner: Arc<dyn ByteOwner>, start: usize, len: usize) -> Bytes {
-        assert!(
-            start + len <= owner.bytes().len(),
-            "Bytes range out of bounds"
-        );
+        assert!(start + len <= owner.bytes().len(), "Bytes range out of bounds");
         Bytes { owner, start, len }
     }
     /// Takes ownership of a vector.
     pub fn from_vec(v: Vec<u8>) -> Bytes {
         let len = v.len();
-        Bytes {
-            owner: Arc::new(v),
-            start: 0,
-            len,
-        }
+        Bytes { owner: Arc::new(v), start: 0, len }
     }
     /// The viewed bytes.
     pub fn as_slice(&self) -> &[u8] {
@@ -59,11 +52,7 @@ impl Bytes {
     /// A sub-range of this view.
     pub fn slice(&self, start: usize, len: usize) -> Bytes {
         assert!(start + len <= self.len, "Bytes::slice out of bounds");
-        Bytes {
-            owner: self.owner.clone(),
-            start: self.start + start,
-            len,
-        }
+        Bytes { owner: self.owner.clone(), start: self.start + start, len }
     }
     /// Length in bytes.
     pub fn len(&self) -> usize {
@@ -128,18 +117,8 @@ impl TensorBytes {
     /// small F32 tensors: gates, biases, conv weights).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         match self.dtype {
-            DType::F32 => self
-                .bytes
-                .as_slice()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            DType::Bf16 => self
-                .bytes
-                .as_slice()
-                .chunks_exact(2)
-                .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
-                .collect(),
+            DType::F32 => self.bytes.as_slice().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            DType::Bf16 => self.bytes.as_slice().chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
             DType::U8 => self.bytes.as_slice().iter().map(|&b| b as f32).collect(),
         }
     }
@@ -163,11 +142,7 @@ impl Bf16Matrix {
     /// Wraps a BF16 tensor, checking its shape is `[rows, cols]`.
     pub fn from_tensor(t: TensorBytes, rows: usize, cols: usize) -> Result<Bf16Matrix> {
         let t = t.expect(DType::Bf16, &[rows, cols])?;
-        Ok(Bf16Matrix {
-            rows,
-            cols,
-            bytes: t.bytes,
-        })
+        Ok(Bf16Matrix { rows, cols, bytes: t.bytes })
     }
     /// Builds from raw little-endian BF16 bytes (tests, generated weights).
     pub fn from_bytes(bytes: Bytes, rows: usize, cols: usize) -> Bf16Matrix {
@@ -182,10 +157,7 @@ impl Bf16Matrix {
     }
     /// Row `r` widened to F32 (embedding lookup).
     pub fn row_f32(&self, r: usize) -> Vec<f32> {
-        self.row(r)
-            .chunks_exact(2)
-            .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
-            .collect()
+        self.row(r).chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect()
     }
     /// Element `(r, c)`.
     #[inline]

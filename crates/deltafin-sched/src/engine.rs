@@ -27,10 +27,7 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions {
-            prefill_chunk: None,
-            prefetch: true,
-        }
+        EngineOptions { prefill_chunk: None, prefetch: true }
     }
 }
 
@@ -55,12 +52,7 @@ pub struct Engine {
 impl Engine {
     /// Wraps a loaded spine and an expert source.
     pub fn new(model: Model, experts: Arc<dyn ExpertSource>, options: EngineOptions) -> Engine {
-        Engine {
-            model,
-            experts,
-            options,
-            heat: Default::default(),
-        }
+        Engine { model, experts, options, heat: Default::default() }
     }
 
     /// Demand counts per (layer, expert) since the last call.
@@ -85,16 +77,9 @@ impl Engine {
 
     /// Runs `ids` through the model after what `seq` holds, returning logits for the new rows
     /// selected by `logit_rows` (`All` or only the last).
-    pub fn forward(
-        &self,
-        seq: &mut Sequence,
-        ids: &[u32],
-        logit_rows: LogitRows,
-    ) -> Result<(Mat, ForwardReport)> {
+    pub fn forward(&self, seq: &mut Sequence, ids: &[u32], logit_rows: LogitRows) -> Result<(Mat, ForwardReport)> {
         if ids.is_empty() {
-            return Err(Error::Invalid(
-                "nothing to run: the token list is empty".into(),
-            ));
+            return Err(Error::Invalid("nothing to run: the token list is empty".into()));
         }
         let chunk = self.options.prefill_chunk.unwrap_or(ids.len()).max(1);
         let mut report = ForwardReport::default();
@@ -146,9 +131,7 @@ impl Engine {
         let mut report = ForwardReport::default();
         let mut res = Residual::new(self.model.embed(ids)?);
         for l in 0..cfg.num_layers {
-            let x = self
-                .model
-                .attention_block(l, &mut seq.layers[l], &mut res)?;
+            let x = self.model.attention_block(l, &mut seq.layers[l], &mut res)?;
             let out = match cfg.mlp[l] {
                 MlpKind::Dense => self.model.dense_mlp(l, &x),
                 MlpKind::Moe => {
@@ -156,8 +139,7 @@ impl Engine {
                     let z = self.model.moe_latent_in(l, &x);
                     let mut combine = MoeCombine::new(routes, cfg.latent_size);
                     let wanted = combine.expert_rows();
-                    report.distinct_expert_bytes +=
-                        wanted.len() as u64 * self.experts.expert_bytes();
+                    report.distinct_expert_bytes += wanted.len() as u64 * self.experts.expert_bytes();
                     let expert_ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
                     {
                         let mut heat = self.heat.lock().expect("poisoned");
@@ -168,13 +150,9 @@ impl Engine {
                     let rx = self.experts.request(l, &expert_ids, Priority::Demand);
                     // Prefetch pays only in decode: a prompt pass demands most experts anyway.
                     if self.options.prefetch && ids.len() == 1 {
-                        if let Some(next) =
-                            (l + 1..cfg.num_layers).find(|&n| cfg.mlp[n] == MlpKind::Moe)
-                        {
+                        if let Some(next) = (l + 1..cfg.num_layers).find(|&n| cfg.mlp[n] == MlpKind::Moe) {
                             // The next layer's router on this layer's MLP input: a cheap guess.
-                            let guess =
-                                MoeCombine::new(self.model.route(next, &x), cfg.latent_size)
-                                    .expert_rows();
+                            let guess = MoeCombine::new(self.model.route(next, &x), cfg.latent_size).expert_rows();
                             let g: Vec<u32> = guess.iter().map(|(e, _)| *e).collect();
                             self.experts.prefetch(next, &g);
                         }
@@ -182,19 +160,11 @@ impl Engine {
                     let layout = self.experts.layout(l);
                     for _ in 0..wanted.len() {
                         let t0 = Instant::now();
-                        let (e, bytes) = rx.recv().map_err(|_| {
-                            Error::Invalid(format!("expert reader for layer {l} stopped"))
-                        })?;
+                        let (e, bytes) = rx.recv().map_err(|_| Error::Invalid(format!("expert reader for layer {l} stopped")))?;
                         report.read_wait += t0.elapsed();
                         let bytes = bytes?;
-                        let rows = &wanted
-                            .iter()
-                            .find(|(id, _)| *id == e)
-                            .expect("delivered an expert that was not requested")
-                            .1;
-                        let y = self
-                            .model
-                            .expert(&layout, bytes.as_slice(), &z.gather(rows))?;
+                        let rows = &wanted.iter().find(|(id, _)| *id == e).expect("delivered an expert that was not requested").1;
+                        let y = self.model.expert(&layout, bytes.as_slice(), &z.gather(rows))?;
                         combine.add(e, rows, &y);
                     }
                     self.model.moe_finish(l, &x, combine.finish())
@@ -219,11 +189,7 @@ impl Engine {
         let (logits, rep) = self.forward(seq, prompt, LogitRows::Last)?;
         let after_prefill = self.experts.stats();
         let ttft = start.elapsed();
-        let mut stats = Stats {
-            prompt_tokens: prompt.len(),
-            ttft_s: ttft.as_secs_f64(),
-            ..Default::default()
-        };
+        let mut stats = Stats { prompt_tokens: prompt.len(), ttft_s: ttft.as_secs_f64(), ..Default::default() };
         stats.expert_bytes_read_prefill = after_prefill.bytes_read - before.bytes_read;
         stats.expert_bytes_distinct_prefill = rep.distinct_expert_bytes;
         let mut read_wait = rep.read_wait;
@@ -244,27 +210,15 @@ impl Engine {
         let end = self.experts.stats();
         stats.generated_tokens = generated;
         // Decode rate counts the forwards after the first token (which prefill produced).
-        stats.decode_tok_s = if generated > 1 && decode > 0.0 {
-            (generated - 1) as f64 / decode
-        } else {
-            0.0
-        };
+        stats.decode_tok_s = if generated > 1 && decode > 0.0 { (generated - 1) as f64 / decode } else { 0.0 };
         stats.total_s = start.elapsed().as_secs_f64();
         stats.read_wait_s = read_wait.as_secs_f64();
         stats.compute_s = (stats.total_s - stats.read_wait_s).max(0.0);
         stats.expert_bytes_read = end.bytes_read - before.bytes_read;
         let (hits, misses) = (end.hits - before.hits, end.misses - before.misses);
-        stats.cache_hit_rate = if hits + misses > 0 {
-            hits as f64 / (hits + misses) as f64
-        } else {
-            0.0
-        };
-        stats.bytes_per_token = if generated > 1 {
-            (stats.expert_bytes_read - stats.expert_bytes_read_prefill) as f64
-                / (generated - 1) as f64
-        } else {
-            0.0
-        };
+        stats.cache_hit_rate = if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 };
+        stats.bytes_per_token =
+            if generated > 1 { (stats.expert_bytes_read - stats.expert_bytes_read_prefill) as f64 / (generated - 1) as f64 } else { 0.0 };
         stats.prefetch_issued = end.prefetch_issued - before.prefetch_issued;
         stats.prefetch_used = end.prefetch_used - before.prefetch_used;
         stats.prefetch_wasted_bytes = end.prefetch_wasted_bytes - before.prefetch_wasted_bytes;
@@ -294,10 +248,7 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions {
-            max_new: 64,
-            stop_ids: Vec::new(),
-        }
+        GenerateOptions { max_new: 64, stop_ids: Vec::new() }
     }
 }
 

@@ -9,10 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deltafin_core::{ChatFormat, K3Config, Model, Tokenizer, K3_PATTERN};
-use deltafin_store::{
-    CacheMode, Checkpoint, Error as StoreError, ExpertSource, MappedExperts, ReaderOptions, Store,
-    StreamingExperts,
-};
+use deltafin_store::{CacheMode, Checkpoint, Error as StoreError, ExpertSource, MappedExperts, ReaderOptions, Store, StreamingExperts};
 
 use crate::engine::{Engine, EngineOptions};
 use crate::error::Result;
@@ -108,10 +105,7 @@ impl EngineBuilder {
         .into_iter()
         .max()
         .unwrap_or(0);
-        let per_row = cfg.hidden_size * (blocks + 12)
-            + cfg.experts_per_token * cfg.latent_size
-            + 4 * widest
-            + cfg.vocab_size;
+        let per_row = cfg.hidden_size * (blocks + 12) + cfg.experts_per_token * cfg.latent_size + 4 * widest + cfg.vocab_size;
         // MLA scores are per (token, head) task, at most a few at a time per thread.
         let scores = 64 * context;
         (4 * (tokens * per_row + scores)) as u64 + (8 << 20)
@@ -130,21 +124,11 @@ impl EngineBuilder {
             )));
         }
         let ckpt = Arc::new(Checkpoint::open(&self.path)?);
-        let tokenizer = Tokenizer::from_tiktoken(
-            &ckpt.tiktoken_text()?,
-            ckpt.tokenizer_config_text()?.as_deref(),
-            K3_PATTERN,
-        )?;
+        let tokenizer = Tokenizer::from_tiktoken(&ckpt.tiktoken_text()?, ckpt.tokenizer_config_text()?.as_deref(), K3_PATTERN)?;
         let model = Model::load(ckpt.config().clone(), ckpt.as_ref())?;
         let experts: Arc<dyn ExpertSource> = Arc::new(MappedExperts::new(ckpt.clone())?);
         self.options.prefill_chunk = self.options.prefill_chunk.filter(|&c| c > 0);
-        Ok(LoadedModel {
-            engine: Engine::new(model, experts, self.options),
-            tokenizer,
-            context: self.context,
-            plan: None,
-            store: None,
-        })
+        Ok(LoadedModel { engine: Engine::new(model, experts, self.options), tokenizer, context: self.context, plan: None, store: None })
     }
 
     fn open_store(mut self) -> Result<LoadedModel> {
@@ -154,9 +138,7 @@ impl EngineBuilder {
         let state = Sequence::max_bytes(&cfg, self.context) as u64;
         let expert_len = cfg.expert_shape().total_bytes() as u64;
         let all_experts = (cfg.moe_layers().len() * cfg.num_experts) as u64
-            * deltafin_store::AlignedBuf::charge(
-                cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN,
-            );
+            * deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
         let plan = match self.ram_budget {
             None => {
                 let chunk = self.options.prefill_chunk.unwrap_or(self.context);
@@ -169,10 +151,7 @@ impl EngineBuilder {
                 }
             }
             Some(budget) => {
-                let chunk = *self
-                    .options
-                    .prefill_chunk
-                    .get_or_insert(DEFAULT_BUDGET_CHUNK);
+                let chunk = *self.options.prefill_chunk.get_or_insert(DEFAULT_BUDGET_CHUNK);
                 let working = EngineBuilder::working_bytes(&cfg, chunk, self.context);
                 let fixed = spine + state + working;
                 let min = fixed + StreamingExperts::min_budget(cfg.expert_shape());
@@ -181,46 +160,27 @@ impl EngineBuilder {
                         budget,
                         minimum: min,
                         why: format!(
-                            "spine {} MB + sequence state for {} tokens {} MB + working memory {} MB + one expert {} MB",
-                            spine / 1_000_000,
+                            "spine {:.1} MB + sequence state for {} tokens {:.1} MB + working memory {:.1} MB + one expert {:.1} MB",
+                            spine as f64 / 1e6,
                             self.context,
-                            state / 1_000_000,
-                            working / 1_000_000,
-                            expert_len / 1_000_000
+                            state as f64 / 1e6,
+                            working as f64 / 1e6,
+                            expert_len as f64 / 1e6
                         ),
                     }
                     .into());
                 }
-                MemoryPlan {
-                    budget,
-                    spine,
-                    sequence_state: state,
-                    working,
-                    experts: budget - fixed,
-                }
+                MemoryPlan { budget, spine, sequence_state: state, working, experts: budget - fixed }
             }
         };
         // The hot tier: the hottest experts from past runs, up to pin_bytes (within the budget).
-        let pin_cap = self.pin_bytes.min(
-            plan.experts
-                .saturating_sub(StreamingExperts::min_budget(cfg.expert_shape())),
-        );
+        let pin_cap = self.pin_bytes.min(plan.experts.saturating_sub(StreamingExperts::min_budget(cfg.expert_shape())));
         let mut heat: Vec<((usize, u32), u64)> = store.heat().into_iter().collect();
         heat.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        let per = deltafin_store::AlignedBuf::charge(
-            cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN,
-        );
-        let pinned: Vec<(usize, u32)> = heat
-            .into_iter()
-            .take((pin_cap / per) as usize)
-            .map(|(k, _)| k)
-            .collect();
+        let per = deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
+        let pinned: Vec<(usize, u32)> = heat.into_iter().take((pin_cap / per) as usize).map(|(k, _)| k).collect();
         store.load_spine()?;
-        let tokenizer = Tokenizer::from_tiktoken(
-            &store.tiktoken_text()?,
-            store.tokenizer_config_text()?.as_deref(),
-            K3_PATTERN,
-        )?;
+        let tokenizer = Tokenizer::from_tiktoken(&store.tiktoken_text()?, store.tokenizer_config_text()?.as_deref(), K3_PATTERN)?;
         let experts = store.experts(ReaderOptions {
             queue_depth: self.queue_depth,
             cache_mode: self.cache_mode,

@@ -17,11 +17,7 @@ pub struct Sequence {
 impl Sequence {
     /// An empty sequence for `model` holding at most `context_limit` tokens.
     pub fn new(model: &Model, context_limit: usize) -> Sequence {
-        Sequence {
-            ids: Vec::new(),
-            layers: model.new_state(context_limit),
-            context_limit,
-        }
+        Sequence { ids: Vec::new(), layers: model.new_state(context_limit), context_limit }
     }
     /// Tokens consumed so far.
     pub fn ids(&self) -> &[u32] {
@@ -33,15 +29,10 @@ impl Sequence {
     }
     /// Bytes this sequence may grow to at its context limit (for the RAM budget).
     pub fn max_bytes(cfg: &K3Config, context_limit: usize) -> usize {
-        let kda = cfg
-            .attention
-            .iter()
-            .filter(|k| **k == deltafin_core::AttentionKind::Kda)
-            .count();
+        let kda = cfg.attention.iter().filter(|k| **k == deltafin_core::AttentionKind::Kda).count();
         let mla = cfg.num_layers - kda;
         let c = cfg.kda_dim();
-        kda * 4
-            * (3 * (cfg.conv_kernel - 1) * c + cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim)
+        kda * 4 * (3 * (cfg.conv_kernel - 1) * c + cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim)
             + mla * context_limit * deltafin_core::MlaCache::bytes_per_token(cfg)
     }
     /// The most tokens this sequence can hold.

@@ -40,13 +40,7 @@ fn ser_homes<S: serde::Serializer>(v: &[HomeStats], s: S) -> std::result::Result
     use serde::ser::SerializeSeq;
     let mut seq = s.serialize_seq(Some(v.len()))?;
     for h in v {
-        seq.serialize_element(&HomeJson {
-            path: &h.path,
-            reads: h.reads,
-            bytes: h.bytes,
-            errors: h.errors,
-            rate_bytes_s: h.rate,
-        })?;
+        seq.serialize_element(&HomeJson { path: &h.path, reads: h.reads, bytes: h.bytes, errors: h.errors, rate_bytes_s: h.rate })?;
     }
     seq.end()
 }

@@ -12,9 +12,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use deltafin_core::{
-    ByteOwner, Bytes, DType, ExpertLayout, K3Config, TensorBytes, TensorSource, LM_PREFIX,
-};
+use deltafin_core::{ByteOwner, Bytes, DType, ExpertLayout, K3Config, TensorBytes, TensorSource, LM_PREFIX};
 
 use crate::error::{Error, Result};
 
@@ -61,21 +59,13 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let cfg_path = dir.join("config.json");
         let config_text = std::fs::read_to_string(&cfg_path).map_err(Error::io(&cfg_path))?;
-        let config = K3Config::from_json(&config_text)
-            .map_err(|e| Error::format(&cfg_path, e.to_string()))?;
+        let config = K3Config::from_json(&config_text).map_err(|e| Error::format(&cfg_path, e.to_string()))?;
         let idx_path = dir.join("model.safetensors.index.json");
         let shard_names: Vec<String> = if idx_path.exists() {
             let text = std::fs::read_to_string(&idx_path).map_err(Error::io(&idx_path))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| Error::format(&idx_path, e.to_string()))?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| Error::format(&idx_path, "no `weight_map` object"))?;
-            let mut names: Vec<String> = map
-                .values()
-                .filter_map(|s| s.as_str().map(str::to_string))
-                .collect();
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::format(&idx_path, e.to_string()))?;
+            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::format(&idx_path, "no `weight_map` object"))?;
+            let mut names: Vec<String> = map.values().filter_map(|s| s.as_str().map(str::to_string)).collect();
             names.sort();
             names.dedup();
             names
@@ -94,14 +84,7 @@ impl Checkpoint {
             shards.push(path);
         }
         let maps = shards.iter().map(|_| OnceLock::new()).collect();
-        Ok(Checkpoint {
-            dir: dir.to_path_buf(),
-            config_text,
-            config,
-            shards,
-            maps,
-            tensors,
-        })
+        Ok(Checkpoint { dir: dir.to_path_buf(), config_text, config, shards, maps, tensors })
     }
 
     /// The folder.
@@ -147,11 +130,7 @@ impl Checkpoint {
     /// dtypes, shapes and contiguity; every expert must share one layout.
     pub fn expert_spans(&self, l: usize) -> Result<(ExpertLayout, Vec<ExpertSpan>)> {
         let shape = self.config.expert_shape();
-        let (s, pb, sb) = (
-            shape,
-            shape.packed_bytes() as u64,
-            shape.scale_bytes() as u64,
-        );
+        let (s, pb, sb) = (shape, shape.packed_bytes() as u64, shape.scale_bytes() as u64);
         let records: [(&str, [usize; 2], u64); 6] = [
             ("w1.weight_packed", [s.inter, s.latent / 2], pb),
             ("w1.weight_scale", [s.inter, s.latent / s.group], sb),
@@ -166,10 +145,7 @@ impl Checkpoint {
             let mut found = Vec::with_capacity(6);
             for (rest, dims, len) in records {
                 let name = Self::expert_tensor_name(l, e, rest);
-                let t = self
-                    .tensors
-                    .get(&name)
-                    .ok_or_else(|| deltafin_core::Error::MissingTensor { name: name.clone() })?;
+                let t = self.tensors.get(&name).ok_or_else(|| deltafin_core::Error::MissingTensor { name: name.clone() })?;
                 if t.dtype != DType::U8 || t.shape != dims || t.len != len {
                     return Err(deltafin_core::Error::BadTensor {
                         name,
@@ -183,19 +159,10 @@ impl Checkpoint {
             }
             let shard = found[0].shard;
             let start = found.iter().map(|t| t.offset).min().expect("six records");
-            let end = found
-                .iter()
-                .map(|t| t.offset + t.len)
-                .max()
-                .expect("six records");
+            let end = found.iter().map(|t| t.offset + t.len).max().expect("six records");
             let path = &self.shards[shard];
             if found.iter().any(|t| t.shard != shard) || end - start != shape.total_bytes() as u64 {
-                return Err(Error::format(
-                    path,
-                    format!(
-                        "expert {l}/{e}: its six records are not one contiguous span in one shard"
-                    ),
-                ));
+                return Err(Error::format(path, format!("expert {l}/{e}: its six records are not one contiguous span in one shard")));
             }
             let mut offsets = [0usize; 6];
             for (i, t) in found.iter().enumerate() {
@@ -205,31 +172,20 @@ impl Checkpoint {
             match layout {
                 None => layout = Some(this),
                 Some(ref l0) if *l0 != this => {
-                    return Err(Error::format(
-                        path,
-                        format!("expert {l}/{e}: record order differs from expert 0 of the layer"),
-                    ));
+                    return Err(Error::format(path, format!("expert {l}/{e}: record order differs from expert 0 of the layer")));
                 }
                 Some(_) => {}
             }
-            spans.push(ExpertSpan {
-                file: path.clone(),
-                offset: start,
-                len: end - start,
-            });
+            spans.push(ExpertSpan { file: path.clone(), offset: start, len: end - start });
         }
-        let layout =
-            layout.ok_or_else(|| Error::format(&self.dir, format!("layer {l} has no experts")))?;
+        let layout = layout.ok_or_else(|| Error::format(&self.dir, format!("layer {l} has no experts")))?;
         Ok((layout, spans))
     }
 
     /// Expert bytes straight from the memory map (the in-RAM path; tests and small models).
     pub fn mapped_bytes(&self, span: &ExpertSpan) -> Result<Bytes> {
-        let shard = self
-            .shards
-            .iter()
-            .position(|p| *p == span.file)
-            .ok_or_else(|| Error::format(&span.file, "not a shard of this checkpoint"))?;
+        let shard =
+            self.shards.iter().position(|p| *p == span.file).ok_or_else(|| Error::format(&span.file, "not a shard of this checkpoint"))?;
         let map = self.map(shard)?;
         Ok(Bytes::new(map, span.offset as usize, span.len as usize))
     }
@@ -252,21 +208,14 @@ impl Checkpoint {
 
 impl TensorSource for Checkpoint {
     fn tensor(&self, name: &str) -> deltafin_core::Result<TensorBytes> {
-        let t = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| deltafin_core::Error::MissingTensor {
-                name: name.to_string(),
-            })?;
+        let t = self.tensors.get(name).ok_or_else(|| deltafin_core::Error::MissingTensor { name: name.to_string() })?;
         let file = self.shards[t.shard].display().to_string();
-        let map = self
-            .map(t.shard)
-            .map_err(|e| deltafin_core::Error::BadTensor {
-                name: name.into(),
-                file: file.clone(),
-                expected: "a readable shard".into(),
-                found: e.to_string(),
-            })?;
+        let map = self.map(t.shard).map_err(|e| deltafin_core::Error::BadTensor {
+            name: name.into(),
+            file: file.clone(),
+            expected: "a readable shard".into(),
+            found: e.to_string(),
+        })?;
         Ok(TensorBytes {
             name: name.to_string(),
             file,
@@ -282,19 +231,19 @@ pub fn read_header(path: &Path, shard: usize) -> Result<BTreeMap<String, TensorE
     let mut f = File::open(path).map_err(Error::io(path))?;
     let file_len = f.metadata().map_err(Error::io(path))?.len();
     let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|_| Error::format(path, "shorter than a safetensors header (truncated?)"))?;
+    f.read_exact(&mut n).map_err(|_| Error::format(path, "shorter than a safetensors header (truncated?)"))?;
     let hlen = u64::from_le_bytes(n);
     if hlen > 100 << 20 || 8 + hlen > file_len {
-        return Err(Error::format(path, format!("safetensors header length {hlen} does not fit the file ({file_len} bytes): truncated or not safetensors")));
+        return Err(Error::format(
+            path,
+            format!("safetensors header length {hlen} does not fit the file ({file_len} bytes): truncated or not safetensors"),
+        ));
     }
     let mut h = vec![0u8; hlen as usize];
     f.read_exact(&mut h).map_err(Error::io(path))?;
-    let v: serde_json::Value = serde_json::from_slice(&h)
-        .map_err(|e| Error::format(path, format!("safetensors header is not JSON: {e}")))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| Error::format(path, "safetensors header is not an object"))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&h).map_err(|e| Error::format(path, format!("safetensors header is not JSON: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| Error::format(path, "safetensors header is not an object"))?;
     let base = 8 + hlen;
     let mut out = BTreeMap::new();
     for (name, t) in obj {
@@ -316,42 +265,19 @@ pub fn read_header(path: &Path, shard: usize) -> Result<BTreeMap<String, TensorE
             .iter()
             .map(|x| x.as_u64().unwrap_or(0) as usize)
             .collect();
-        let off = t
-            .get("data_offsets")
-            .and_then(|s| s.as_array())
-            .ok_or_else(|| bad("no data_offsets"))?;
-        let (a, b) = match (
-            off.first().and_then(|x| x.as_u64()),
-            off.get(1).and_then(|x| x.as_u64()),
-        ) {
+        let off = t.get("data_offsets").and_then(|s| s.as_array()).ok_or_else(|| bad("no data_offsets"))?;
+        let (a, b) = match (off.first().and_then(|x| x.as_u64()), off.get(1).and_then(|x| x.as_u64())) {
             (Some(a), Some(b)) if b >= a => (a, b),
             _ => return Err(bad("bad data_offsets")),
         };
         let numel: usize = shape.iter().product();
         if (numel * dtype.size()) as u64 != b - a {
-            return Err(bad(&format!(
-                "{} bytes for shape {shape:?} {dtype:?}",
-                b - a
-            )));
+            return Err(bad(&format!("{} bytes for shape {shape:?} {dtype:?}", b - a)));
         }
         if base + b > file_len {
-            return Err(Error::Truncated {
-                tensor: name.clone(),
-                path: path.to_path_buf(),
-                have: file_len,
-                need: base + b,
-            });
+            return Err(Error::Truncated { tensor: name.clone(), path: path.to_path_buf(), have: file_len, need: base + b });
         }
-        out.insert(
-            name.clone(),
-            TensorEntry {
-                shard,
-                dtype,
-                shape,
-                offset: base + a,
-                len: b - a,
-            },
-        );
+        out.insert(name.clone(), TensorEntry { shard, dtype, shape, offset: base + a, len: b - a });
     }
     Ok(out)
 }

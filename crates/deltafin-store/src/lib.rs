@@ -32,10 +32,7 @@ pub use crate::{
     manifest::{checksum, Copy, ExpertEntry, Manifest, SpineTensor, ALIGN},
     memory::{AlignedBuf, Budget, BUF_ALIGN},
     reader::CacheMode,
-    setup::{
-        assign_homes, drop_cache, setup, ExpertLayoutKind, LocalFiles, NoProgress, Progress,
-        SetupOptions, SpanSource,
-    },
+    setup::{assign_homes, drop_cache, setup, ExpertLayoutKind, LocalFiles, NoProgress, Progress, SetupOptions, SpanSource},
     source::{Delivery, ExpertSource, HomeStats, MappedExperts, Priority, SourceStats},
     store::Store,
     streaming::{ReaderOptions, StreamingExperts},

@@ -69,19 +69,14 @@ impl Manifest {
     pub fn read(store: &Path) -> Result<Manifest> {
         let p = store.join("manifest.json");
         let text = std::fs::read_to_string(&p).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::format(&p, "no manifest: not a Deltafin store, or `deltafin setup` did not finish (re-run it to resume)"),
+            std::io::ErrorKind::NotFound => {
+                Error::format(&p, "no manifest: not a Deltafin store, or `deltafin setup` did not finish (re-run it to resume)")
+            }
             _ => Error::Io { path: p.clone(), source: e },
         })?;
-        let m: Manifest = serde_json::from_str(&text)
-            .map_err(|e| Error::format(&p, format!("bad manifest: {e}")))?;
+        let m: Manifest = serde_json::from_str(&text).map_err(|e| Error::format(&p, format!("bad manifest: {e}")))?;
         if m.format != FORMAT {
-            return Err(Error::format(
-                &p,
-                format!(
-                    "store format {:?}, this build reads {FORMAT:?}; re-run setup",
-                    m.format
-                ),
-            ));
+            return Err(Error::format(&p, format!("store format {:?}, this build reads {FORMAT:?}; re-run setup", m.format)));
         }
         Ok(m)
     }

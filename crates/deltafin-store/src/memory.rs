@@ -23,13 +23,7 @@ pub struct Budget {
 impl Budget {
     /// A budget of `cap` bytes.
     pub fn new(cap: u64) -> Arc<Budget> {
-        Arc::new(Budget {
-            cap,
-            used: AtomicU64::new(0),
-            peak: AtomicU64::new(0),
-            mu: Mutex::new(()),
-            cv: Condvar::new(),
-        })
+        Arc::new(Budget { cap, used: AtomicU64::new(0), peak: AtomicU64::new(0), mu: Mutex::new(()), cv: Condvar::new() })
     }
     /// The cap.
     pub fn cap(&self) -> u64 {
@@ -50,10 +44,7 @@ impl Budget {
             if cur + n > self.cap {
                 return false;
             }
-            match self
-                .used
-                .compare_exchange_weak(cur, cur + n, Ordering::AcqRel, Ordering::Acquire)
-            {
+            match self.used.compare_exchange_weak(cur, cur + n, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {
                     self.peak.fetch_max(cur + n, Ordering::AcqRel);
                     return true;
@@ -118,8 +109,7 @@ impl ByteOwner for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout =
-            Layout::from_size_align(self.len.max(BUF_ALIGN), BUF_ALIGN).expect("valid layout");
+        let layout = Layout::from_size_align(self.len.max(BUF_ALIGN), BUF_ALIGN).expect("valid layout");
         // SAFETY: allocated in `new_reserved` with this layout.
         unsafe { std::alloc::dealloc(self.ptr, layout) };
         self.budget.release(self.len as u64);

@@ -23,11 +23,7 @@ pub fn open_for_read(path: &Path, mode: CacheMode) -> std::io::Result<(File, boo
         #[cfg(target_os = "linux")]
         {
             use std::os::unix::fs::OpenOptionsExt;
-            match std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(path)
-            {
+            match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
                 Ok(f) => return Ok((f, true)),
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
                 Err(e) => return Err(e),
@@ -64,11 +60,7 @@ pub fn read_aligned(file: &File, offset: u64, len: u64, buf: &mut [u8]) -> std::
         if n == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
-                format!(
-                    "file ends at {} but the expert ends at {}",
-                    start + got as u64,
-                    offset + len
-                ),
+                format!("file ends at {} but the expert ends at {}", start + got as u64, offset + len),
             ));
         }
         got += n;

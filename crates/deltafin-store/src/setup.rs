@@ -24,9 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::manifest::{
-    align_up, checksum, tmp_path, write_atomic, Copy, ExpertEntry, Manifest, SpineTensor, FORMAT,
-};
+use crate::manifest::{align_up, checksum, tmp_path, write_atomic, Copy, ExpertEntry, Manifest, SpineTensor, FORMAT};
 
 /// Reports progress of long work (the CLI draws bars from it).
 pub trait Progress: Send + Sync {
@@ -58,9 +56,7 @@ pub struct LocalFiles {
 
 impl LocalFiles {
     pub fn new() -> LocalFiles {
-        LocalFiles {
-            open: Default::default(),
-        }
+        LocalFiles { open: Default::default() }
     }
 }
 
@@ -128,9 +124,7 @@ struct SpineSidecar {
 /// Which homes hold expert `e` of layer `l`: `copies` consecutive homes from a rotating start,
 /// so every drive gets an equal share of every layer.
 pub fn assign_homes(l: usize, e: usize, homes: usize, copies: usize) -> Vec<usize> {
-    (0..copies.min(homes))
-        .map(|j| (e + l + j) % homes)
-        .collect()
+    (0..copies.min(homes)).map(|j| (e + l + j) % homes).collect()
 }
 
 fn crash_point(layers_done: usize) {
@@ -156,19 +150,11 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
     std::fs::create_dir_all(out).map_err(Error::io(out))?;
     if let Ok(m) = Manifest::read(out) {
         if m.model_hash != model_hash {
-            return Err(Error::WrongModel {
-                path: out.clone(),
-                found: m.model_hash,
-                expected: model_hash,
-            });
+            return Err(Error::WrongModel { path: out.clone(), found: m.model_hash, expected: model_hash });
         }
     }
-    for f in [
-        "config.json",
-        "tiktoken.model",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
+    write_atomic(&out.join(crate::store::STORE_MARKER), FORMAT.as_bytes())?;
+    for f in ["config.json", "tiktoken.model", "tokenizer_config.json", "generation_config.json"] {
         let p = opts.source.join(f);
         if p.exists() {
             let bytes = std::fs::read(&p).map_err(Error::io(&p))?;
@@ -181,36 +167,21 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
     let spine_path = out.join("spine.bin");
     let sidecar_path = out.join("spine.bin.json");
     let spine_names: Vec<&String> = {
-        let mut v: Vec<&String> = ckpt
-            .tensors()
-            .keys()
-            .filter(|n| n.starts_with(LM_PREFIX) && !n.contains(".block_sparse_moe.experts."))
-            .collect();
+        let mut v: Vec<&String> =
+            ckpt.tensors().keys().filter(|n| n.starts_with(LM_PREFIX) && !n.contains(".block_sparse_moe.experts.")).collect();
         v.sort();
         v
     };
     let done: Option<SpineSidecar> = read_json(&sidecar_path);
     let spine = match done {
-        Some(s)
-            if s.model_hash == model_hash
-                && std::fs::metadata(&spine_path).map(|m| m.len()).ok() == Some(s.bytes) =>
-        {
-            s
-        }
+        Some(s) if s.model_hash == model_hash && std::fs::metadata(&spine_path).map(|m| m.len()).ok() == Some(s.bytes) => s,
         _ => {
             let mut tensors = BTreeMap::new();
             let mut off = 0u64;
             for n in &spine_names {
                 let t = &ckpt.tensors()[*n];
-                tensors.insert(
-                    (*n).clone(),
-                    SpineTensor {
-                        dtype: format!("{:?}", t.dtype),
-                        shape: t.shape.clone(),
-                        offset: off,
-                        len: t.len,
-                    },
-                );
+                tensors
+                    .insert((*n).clone(), SpineTensor { dtype: format!("{:?}", t.dtype), shape: t.shape.clone(), offset: off, len: t.len });
                 off = align_up(off + t.len);
             }
             progress.begin("spine", off);
@@ -222,22 +193,14 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
                 let t = &ckpt.tensors()[*n];
                 buf.resize(t.len as usize, 0);
                 src.read_span(&ckpt.shards()[t.shard], t.offset, &mut buf)?;
-                f.write_all_at(&buf, tensors[*n].offset)
-                    .map_err(Error::io(&tmp))?;
+                f.write_all_at(&buf, tensors[*n].offset).map_err(Error::io(&tmp))?;
                 progress.advance(t.len);
             }
             f.sync_all().map_err(Error::io(&tmp))?;
             drop_cache(&f);
             std::fs::rename(&tmp, &spine_path).map_err(Error::io(&spine_path))?;
-            let s = SpineSidecar {
-                model_hash: model_hash.clone(),
-                bytes: off,
-                tensors,
-            };
-            write_atomic(
-                &sidecar_path,
-                &serde_json::to_vec(&s).expect("serializable"),
-            )?;
+            let s = SpineSidecar { model_hash: model_hash.clone(), bytes: off, tensors };
+            write_atomic(&sidecar_path, &serde_json::to_vec(&s).expect("serializable"))?;
             progress.end();
             s
         }
@@ -249,11 +212,7 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
             vec![std::fs::canonicalize(&opts.source).map_err(Error::io(&opts.source))?]
         }
         ExpertLayoutKind::Packs => {
-            let hs = if opts.homes.is_empty() {
-                vec![out.clone()]
-            } else {
-                opts.homes.clone()
-            };
+            let hs = if opts.homes.is_empty() { vec![out.clone()] } else { opts.homes.clone() };
             let mut abs = Vec::new();
             for h in hs {
                 let d = h.join("deltafin-experts").join(&model_hash[..12]);
@@ -265,14 +224,7 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
     };
     let copies = opts.copies.clamp(1, homes.len());
     if opts.copies > homes.len() {
-        return Err(Error::format(
-            out,
-            format!(
-                "{} copies asked but only {} homes given",
-                opts.copies,
-                homes.len()
-            ),
-        ));
+        return Err(Error::format(out, format!("{} copies asked but only {} homes given", opts.copies, homes.len())));
     }
     let moe = cfg.moe_layers();
     let expert_bytes = cfg.expert_shape().total_bytes() as u64;
@@ -287,12 +239,8 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
         let (layout, spans) = ckpt.expert_spans(l)?;
         layouts.push((l, layout.offsets));
         let layer_entries = match opts.layout {
-            ExpertLayoutKind::InPlace => {
-                in_place_layer(out, &model_hash, l, &spans, &homes[0], &src, progress)?
-            }
-            ExpertLayoutKind::Packs => {
-                pack_layer(&model_hash, l, &spans, &homes, copies, &src, progress)?
-            }
+            ExpertLayoutKind::InPlace => in_place_layer(out, &model_hash, l, &spans, &homes[0], &src, progress)?,
+            ExpertLayoutKind::Packs => pack_layer(&model_hash, l, &spans, &homes, copies, &src, progress)?,
         };
         entries.extend(layer_entries);
         crash_point(done_layers + 1);
@@ -312,10 +260,7 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
         layouts,
         experts: entries,
     };
-    write_atomic(
-        &out.join("manifest.json"),
-        &serde_json::to_vec_pretty(&manifest).expect("serializable"),
-    )?;
+    write_atomic(&out.join("manifest.json"), &serde_json::to_vec_pretty(&manifest).expect("serializable"))?;
     Ok(manifest)
 }
 
@@ -347,12 +292,7 @@ fn in_place_layer(
             }
             write_atomic(
                 &side,
-                &serde_json::to_vec(&PackSidecar {
-                    model_hash: hash.into(),
-                    bytes: total,
-                    experts: map.clone(),
-                })
-                .expect("serializable"),
+                &serde_json::to_vec(&PackSidecar { model_hash: hash.into(), bytes: total, experts: map.clone() }).expect("serializable"),
             )?;
             map
         }
@@ -365,23 +305,13 @@ fn in_place_layer(
                 .file
                 .strip_prefix(home)
                 .map(|p| p.to_string_lossy().into_owned())
-                .unwrap_or_else(|_| {
-                    s.file
-                        .file_name()
-                        .expect("shard name")
-                        .to_string_lossy()
-                        .into_owned()
-                });
+                .unwrap_or_else(|_| s.file.file_name().expect("shard name").to_string_lossy().into_owned());
             ExpertEntry {
                 layer: l,
                 expert: e,
                 len: s.len,
                 xxh3: sums[&e].2.clone(),
-                copies: vec![Copy {
-                    home: 0,
-                    file: rel,
-                    offset: s.offset,
-                }],
+                copies: vec![Copy { home: 0, file: rel, offset: s.offset }],
             }
         })
         .collect())
@@ -399,36 +329,19 @@ fn pack_layer(
     let n = homes.len();
     let rel = format!("deltafin-experts/{}/L{l:03}.pack", &hash[..12]);
     let paths: Vec<PathBuf> = homes.iter().map(|h| h.join(&rel)).collect();
-    let sides: Vec<PathBuf> = paths
-        .iter()
-        .map(|p| PathBuf::from(format!("{}.json", p.display())))
-        .collect();
+    let sides: Vec<PathBuf> = paths.iter().map(|p| PathBuf::from(format!("{}.json", p.display()))).collect();
     let existing: Vec<Option<PackSidecar>> = (0..n)
         .map(|h| {
-            read_json::<PackSidecar>(&sides[h]).filter(|s| {
-                s.model_hash == hash
-                    && std::fs::metadata(&paths[h]).map(|m| m.len()).ok() == Some(s.bytes)
-            })
+            read_json::<PackSidecar>(&sides[h])
+                .filter(|s| s.model_hash == hash && std::fs::metadata(&paths[h]).map(|m| m.len()).ok() == Some(s.bytes))
         })
         .collect();
-    let assigned: Vec<Vec<usize>> = (0..n)
-        .map(|h| {
-            (0..spans.len())
-                .filter(|&e| assign_homes(l, e, n, copies).contains(&h))
-                .collect()
-        })
-        .collect();
-    let complete = (0..n).all(|h| {
-        existing[h]
-            .as_ref()
-            .is_some_and(|s| s.experts.keys().copied().eq(assigned[h].iter().copied()))
-    });
+    let assigned: Vec<Vec<usize>> =
+        (0..n).map(|h| (0..spans.len()).filter(|&e| assign_homes(l, e, n, copies).contains(&h)).collect()).collect();
+    let complete = (0..n).all(|h| existing[h].as_ref().is_some_and(|s| s.experts.keys().copied().eq(assigned[h].iter().copied())));
     let tables: Vec<BTreeMap<usize, (u64, u64, String)>> = if complete {
         progress.advance(spans.iter().map(|s| s.len).sum::<u64>() * copies as u64);
-        existing
-            .into_iter()
-            .map(|s| s.expect("complete").experts)
-            .collect()
+        existing.into_iter().map(|s| s.expect("complete").experts).collect()
     } else {
         let mut files = Vec::new();
         let mut offsets = vec![0u64; n];
@@ -444,9 +357,7 @@ fn pack_layer(
             let sum = checksum(&buf);
             for h in assign_homes(l, e, n, copies) {
                 let tmp = tmp_path(&paths[h]);
-                files[h]
-                    .write_all_at(&buf, offsets[h])
-                    .map_err(Error::io(&tmp))?;
+                files[h].write_all_at(&buf, offsets[h]).map_err(Error::io(&tmp))?;
                 tables[h].insert(e, (offsets[h], s.len, sum.clone()));
                 offsets[h] = align_up(offsets[h] + s.len);
                 progress.advance(s.len);
@@ -459,11 +370,7 @@ fn pack_layer(
             files[h].sync_all().map_err(Error::io(&tmp))?;
             drop_cache(&files[h]);
             std::fs::rename(&tmp, &paths[h]).map_err(Error::io(&paths[h]))?;
-            let side = PackSidecar {
-                model_hash: hash.into(),
-                bytes: offsets[h],
-                experts: tables[h].clone(),
-            };
+            let side = PackSidecar { model_hash: hash.into(), bytes: offsets[h], experts: tables[h].clone() };
             write_atomic(&sides[h], &serde_json::to_vec(&side).expect("serializable"))?;
         }
         tables
@@ -477,14 +384,7 @@ fn pack_layer(
                 expert: e,
                 len,
                 xxh3: sum,
-                copies: hs
-                    .iter()
-                    .map(|&h| Copy {
-                        home: h,
-                        file: rel.clone(),
-                        offset: tables[h][&e].0,
-                    })
-                    .collect(),
+                copies: hs.iter().map(|&h| Copy { home: h, file: rel.clone(), offset: tables[h][&e].0 }).collect(),
             }
         })
         .collect())

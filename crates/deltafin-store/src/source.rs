@@ -82,11 +82,7 @@ impl MappedExperts {
         for l in cfg.moe_layers() {
             layers[l] = Some(ckpt.expert_spans(l)?);
         }
-        Ok(MappedExperts {
-            ckpt,
-            layers,
-            hits: Default::default(),
-        })
+        Ok(MappedExperts { ckpt, layers, hits: Default::default() })
     }
 }
 
@@ -104,10 +100,7 @@ impl ExpertSource for MappedExperts {
         rx
     }
     fn stats(&self) -> SourceStats {
-        SourceStats {
-            hits: self.hits.load(std::sync::atomic::Ordering::Relaxed),
-            ..Default::default()
-        }
+        SourceStats { hits: self.hits.load(std::sync::atomic::Ordering::Relaxed), ..Default::default() }
     }
     fn expert_bytes(&self) -> u64 {
         self.ckpt.config().expert_shape().total_bytes() as u64

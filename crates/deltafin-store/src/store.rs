@@ -11,6 +11,9 @@ use crate::manifest::{checksum, Manifest};
 use crate::setup::drop_cache;
 use crate::streaming::{ReaderOptions, StreamingExperts};
 
+/// File `deltafin setup` writes first, so an unfinished store is recognized as one.
+pub const STORE_MARKER: &str = "deltafin-store";
+
 /// An opened store made by `deltafin setup`.
 pub struct Store {
     dir: PathBuf,
@@ -23,7 +26,7 @@ pub struct Store {
 impl Store {
     /// Whether `dir` looks like a store (has a manifest) rather than a checkpoint folder.
     pub fn is_store(dir: &Path) -> bool {
-        dir.join("manifest.json").exists()
+        dir.join("manifest.json").exists() || dir.join(STORE_MARKER).exists()
     }
 
     /// Opens the store at `dir`, checking its config belongs to its manifest.
@@ -33,21 +36,10 @@ impl Store {
         let config_text = std::fs::read_to_string(&cfg_path).map_err(Error::io(&cfg_path))?;
         let hash = checksum(config_text.as_bytes());
         if hash != manifest.model_hash {
-            return Err(Error::WrongModel {
-                path: dir.to_path_buf(),
-                found: manifest.model_hash.clone(),
-                expected: hash,
-            });
+            return Err(Error::WrongModel { path: dir.to_path_buf(), found: manifest.model_hash.clone(), expected: hash });
         }
-        let config = K3Config::from_json(&config_text)
-            .map_err(|e| Error::format(&cfg_path, e.to_string()))?;
-        Ok(Store {
-            dir: dir.to_path_buf(),
-            manifest,
-            config_text,
-            config,
-            spine: None,
-        })
+        let config = K3Config::from_json(&config_text).map_err(|e| Error::format(&cfg_path, e.to_string()))?;
+        Ok(Store { dir: dir.to_path_buf(), manifest, config_text, config, spine: None })
     }
 
     /// The folder.
@@ -78,7 +70,10 @@ impl Store {
         let mut f = std::fs::File::open(&p).map_err(Error::io(&p))?;
         let len = f.metadata().map_err(Error::io(&p))?.len();
         if len != self.manifest.spine_bytes {
-            return Err(Error::format(&p, format!("spine file is {len} bytes, the manifest says {}: truncated? run `deltafin doctor`", self.manifest.spine_bytes)));
+            return Err(Error::format(
+                &p,
+                format!("spine file is {len} bytes, the manifest says {}: truncated? run `deltafin doctor`", self.manifest.spine_bytes),
+            ));
         }
         let mut v = Vec::with_capacity(len as usize);
         f.read_to_end(&mut v).map_err(Error::io(&p))?;
@@ -124,26 +119,14 @@ impl Store {
         }
         let mut v: Vec<(usize, u32, u64)> = all.into_iter().map(|((l, e), n)| (l, e, n)).collect();
         v.sort_unstable();
-        crate::manifest::write_atomic(
-            &self.dir.join("heat.json"),
-            &serde_json::to_vec(&v).expect("serializable"),
-        )
+        crate::manifest::write_atomic(&self.dir.join("heat.json"), &serde_json::to_vec(&v).expect("serializable"))
     }
 }
 
 impl TensorSource for Store {
     fn tensor(&self, name: &str) -> deltafin_core::Result<TensorBytes> {
-        let t =
-            self.manifest
-                .spine
-                .get(name)
-                .ok_or_else(|| deltafin_core::Error::MissingTensor {
-                    name: name.to_string(),
-                })?;
-        let spine = self
-            .spine
-            .as_ref()
-            .expect("load_spine before loading the model");
+        let t = self.manifest.spine.get(name).ok_or_else(|| deltafin_core::Error::MissingTensor { name: name.to_string() })?;
+        let spine = self.spine.as_ref().expect("load_spine before loading the model");
         let dtype = match t.dtype.as_str() {
             "Bf16" => DType::Bf16,
             "F32" => DType::F32,
@@ -151,11 +134,7 @@ impl TensorSource for Store {
         };
         Ok(TensorBytes {
             name: name.into(),
-            file: self
-                .dir
-                .join(&self.manifest.spine_file)
-                .display()
-                .to_string(),
+            file: self.dir.join(&self.manifest.spine_file).display().to_string(),
             dtype,
             shape: t.shape.clone(),
             bytes: spine.slice(t.offset as usize, t.len as usize),

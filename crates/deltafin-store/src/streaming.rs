@@ -104,11 +104,7 @@ const DEFAULT_RATE: f64 = 1e9;
 
 impl StreamingExperts {
     /// Starts reader threads over `manifest` (of the store at `store`), for experts of `shape`.
-    pub fn start(
-        manifest: Manifest,
-        shape: ExpertShape,
-        opts: ReaderOptions,
-    ) -> crate::Result<StreamingExperts> {
+    pub fn start(manifest: Manifest, shape: ExpertShape, opts: ReaderOptions) -> crate::Result<StreamingExperts> {
         let min = Self::min_budget(shape);
         if opts.expert_budget < min {
             return Err(Error::BudgetTooSmall {
@@ -117,25 +113,13 @@ impl StreamingExperts {
                 why: "the expert cache must hold at least one expert being read".into(),
             });
         }
-        let index = manifest
-            .experts
-            .iter()
-            .enumerate()
-            .map(|(i, e)| ((e.layer, e.expert as u32), i))
-            .collect();
-        let layouts = manifest
-            .layouts
-            .iter()
-            .map(|(l, o)| (*l, ExpertLayout { offsets: *o, shape }))
-            .collect();
+        let index = manifest.experts.iter().enumerate().map(|(i, e)| ((e.layer, e.expert as u32), i)).collect();
+        let layouts = manifest.layouts.iter().map(|(l, o)| (*l, ExpertLayout { offsets: *o, shape })).collect();
         let homes = manifest
             .homes
             .iter()
             .map(|p| Home {
-                stats: HomeStats {
-                    path: p.display().to_string(),
-                    ..Default::default()
-                },
+                stats: HomeStats { path: p.display().to_string(), ..Default::default() },
                 queued_bytes: 0,
                 quarantined_until: None,
                 backoff: Duration::from_millis(100),
@@ -164,12 +148,8 @@ impl StreamingExperts {
         for h in 0..inner.manifest.homes.len() {
             for _ in 0..inner.opts.queue_depth.max(1) {
                 let i = inner.clone();
-                threads.push(
-                    std::thread::Builder::new()
-                        .name(format!("deltafin-read-{h}"))
-                        .spawn(move || i.worker(h))
-                        .expect("spawn reader"),
-                );
+                threads
+                    .push(std::thread::Builder::new().name(format!("deltafin-read-{h}")).spawn(move || i.worker(h)).expect("spawn reader"));
             }
         }
         let s = StreamingExperts { inner, threads };
@@ -187,9 +167,7 @@ impl StreamingExperts {
 
     fn load_pinned(&self, l: usize, e: u32) -> crate::Result<()> {
         let rx = self.request(l, &[e], Priority::Demand);
-        let (_, r) = rx
-            .recv()
-            .map_err(|_| Error::format(&self.inner.manifest.homes[0], "reader stopped"))?;
+        let (_, r) = rx.recv().map_err(|_| Error::format(&self.inner.manifest.homes[0], "reader stopped"))?;
         r?;
         let mut st = self.inner.state.lock().expect("poisoned");
         if let Some(c) = st.cache.get_mut(&(l, e)) {
@@ -230,11 +208,7 @@ impl Inner {
                 continue;
             }
             let h = &st.homes[c.home];
-            let rate = if h.stats.rate > 0.0 {
-                h.stats.rate
-            } else {
-                DEFAULT_RATE
-            };
+            let rate = if h.stats.rate > 0.0 { h.stats.rate } else { DEFAULT_RATE };
             let eta = (h.queued_bytes + e.len) as f64 / rate;
             if h.quarantined_until.is_some_and(|t| t > now) {
                 fallback = fallback.or(Some(i));
@@ -289,12 +263,8 @@ impl Inner {
                             Some(inf) => {
                                 inf.started = true;
                                 let p = p.min(inf.priority);
-                                let copy = self
-                                    .entry(k)
-                                    .copies
-                                    .iter()
-                                    .position(|c| c.home == home)
-                                    .expect("queued on a home holding a copy");
+                                let copy =
+                                    self.entry(k).copies.iter().position(|c| c.home == home).expect("queued on a home holding a copy");
                                 break (k, p, copy);
                             }
                         }
@@ -323,9 +293,7 @@ impl Inner {
                     .cache
                     .iter()
                     // A guess may only displace other unused guesses, never what demand put there.
-                    .filter(|(_, c)| {
-                        !c.pinned && (priority == Priority::Demand || c.unused_prefetch)
-                    })
+                    .filter(|(_, c)| !c.pinned && (priority == Priority::Demand || c.unused_prefetch))
                     .min_by_key(|(_, c)| c.last_use)
                     .map(|(k, _)| *k);
                 match victim {
@@ -344,12 +312,7 @@ impl Inner {
         }
     }
 
-    fn read_one(
-        &self,
-        key: Key,
-        priority: Priority,
-        copy: usize,
-    ) -> Result<(Bytes, f64), ReadFail> {
+    fn read_one(&self, key: Key, priority: Priority, copy: usize) -> Result<(Bytes, f64), ReadFail> {
         let e = self.entry(key);
         let c = &e.copies[copy];
         let (start, end) = aligned_window(c.offset, e.len);
@@ -359,10 +322,9 @@ impl Inner {
         let mut buf = AlignedBuf::new_reserved((end - start) as usize, self.budget.clone());
         let path = self.manifest.copy_path(c);
         let t0 = Instant::now();
-        let (file, _) = open_for_read(&path, self.opts.cache_mode)
-            .map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
-        let at = read_aligned(&file, c.offset, e.len, buf.as_mut_slice())
-            .map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
+        let (file, _) = open_for_read(&path, self.opts.cache_mode).map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
+        let at =
+            read_aligned(&file, c.offset, e.len, buf.as_mut_slice()).map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
         let secs = t0.elapsed().as_secs_f64();
         let owner: Arc<dyn deltafin_core::ByteOwner> = Arc::new(buf);
         let bytes = Bytes::new(owner, at, e.len as usize);
@@ -382,35 +344,19 @@ impl Inner {
                 h.stats.reads += 1;
                 h.stats.bytes += len;
                 let rate = len as f64 / secs.max(1e-6);
-                h.stats.rate = if h.stats.rate == 0.0 {
-                    rate
-                } else {
-                    0.8 * h.stats.rate + 0.2 * rate
-                };
+                h.stats.rate = if h.stats.rate == 0.0 { rate } else { 0.8 * h.stats.rate + 0.2 * rate };
                 h.backoff = Duration::from_millis(100);
                 h.quarantined_until = None;
                 st.stats.bytes_read += len;
                 st.clock += 1;
                 let clock = st.clock;
                 // No entry means nobody waits (a guess); it still lands in the cache.
-                let waiters = st
-                    .inflight
-                    .remove(&key)
-                    .map(|i| i.waiters)
-                    .unwrap_or_default();
+                let waiters = st.inflight.remove(&key).map(|i| i.waiters).unwrap_or_default();
                 let unused_prefetch = waiters.is_empty();
                 for w in &waiters {
                     let _ = w.send((key.1, Ok(bytes.clone())));
                 }
-                st.cache.insert(
-                    key,
-                    CacheEntry {
-                        bytes,
-                        last_use: clock,
-                        unused_prefetch,
-                        pinned: false,
-                    },
-                );
+                st.cache.insert(key, CacheEntry { bytes, last_use: clock, unused_prefetch, pinned: false });
                 let held: u64 = st.cache.values().map(|c| c.bytes.len() as u64).sum();
                 st.stats.cache_peak_bytes = st.stats.cache_peak_bytes.max(held);
             }
@@ -428,10 +374,7 @@ impl Inner {
             }
             Err(fail) => {
                 let (corrupt, msg) = match fail {
-                    ReadFail::Corrupt(p) => (
-                        Some(p.clone()),
-                        format!("checksum mismatch in {}", p.display()),
-                    ),
+                    ReadFail::Corrupt(p) => (Some(p.clone()), format!("checksum mismatch in {}", p.display())),
                     ReadFail::Io(m) => (None, m),
                     ReadFail::Cancelled => unreachable!("handled above"),
                 };
@@ -464,11 +407,7 @@ impl Inner {
                                 path: p.clone(),
                                 offset: self.entry(key).copies[copy].offset,
                             },
-                            None => Error::Unavailable {
-                                layer: key.0,
-                                expert: key.1 as usize,
-                                last: msg.clone(),
-                            },
+                            None => Error::Unavailable { layer: key.0, expert: key.1 as usize, last: msg.clone() },
                         };
                         for w in &inf.waiters {
                             let _ = w.send((key.1, Err(err(()))));
@@ -497,11 +436,7 @@ impl ExpertSource for StreamingExperts {
             .inflight
             .iter()
             .filter(|(k, f)| {
-                k.0 == layer
-                    && !f.started
-                    && f.waiters.is_empty()
-                    && f.priority == Priority::Prefetch
-                    && !experts.contains(&k.1)
+                k.0 == layer && !f.started && f.waiters.is_empty() && f.priority == Priority::Prefetch && !experts.contains(&k.1)
             })
             .map(|(k, _)| *k)
             .collect();
@@ -534,26 +469,11 @@ impl ExpertSource for StreamingExperts {
             }
             match inner.choose_copy(&st, key, &[]) {
                 Some(copy) => {
-                    st.inflight.insert(
-                        key,
-                        Inflight {
-                            waiters: vec![tx.clone()],
-                            priority,
-                            tried: vec![],
-                            started: false,
-                        },
-                    );
+                    st.inflight.insert(key, Inflight { waiters: vec![tx.clone()], priority, tried: vec![], started: false });
                     inner.enqueue(&mut st, key, copy, priority);
                 }
                 None => {
-                    let _ = tx.send((
-                        e,
-                        Err(Error::Unavailable {
-                            layer,
-                            expert: e as usize,
-                            last: "no copy recorded".into(),
-                        }),
-                    ));
+                    let _ = tx.send((e, Err(Error::Unavailable { layer, expert: e as usize, last: "no copy recorded".into() })));
                 }
             }
         }
@@ -571,15 +491,7 @@ impl ExpertSource for StreamingExperts {
                 continue;
             }
             if let Some(copy) = inner.choose_copy(&st, key, &[]) {
-                st.inflight.insert(
-                    key,
-                    Inflight {
-                        waiters: vec![],
-                        priority: Priority::Prefetch,
-                        tried: vec![],
-                        started: false,
-                    },
-                );
+                st.inflight.insert(key, Inflight { waiters: vec![], priority: Priority::Prefetch, tried: vec![], started: false });
                 inner.enqueue(&mut st, key, copy, Priority::Prefetch);
                 st.stats.prefetch_issued += 1;
             }

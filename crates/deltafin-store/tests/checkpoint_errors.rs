@@ -22,11 +22,7 @@ fn copy() -> tempfile::TempDir {
 const SHARD1: &str = "model-00001-of-000004.safetensors";
 
 /// Rewrites one shard's header with `f`, keeping the data bytes.
-fn edit_header(
-    dir: &Path,
-    shard: &str,
-    f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
-) {
+fn edit_header(dir: &Path, shard: &str, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
     let p = dir.join(shard);
     let bytes = std::fs::read(&p).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
@@ -47,12 +43,10 @@ fn load_err(dir: &Path) -> String {
         Err(e) => e.to_string(),
         Ok(c) => match Model::load(c.config().clone(), &c) {
             Err(e) => e.to_string(),
-            Ok(_) => {
-                match (1..c.config().num_layers).try_for_each(|l| c.expert_spans(l).map(|_| ())) {
-                    Err(e) => e.to_string(),
-                    Ok(()) => panic!("expected an error"),
-                }
-            }
+            Ok(_) => match (1..c.config().num_layers).try_for_each(|l| c.expert_spans(l).map(|_| ())) {
+                Err(e) => e.to_string(),
+                Ok(()) => panic!("expected an error"),
+            },
         },
     }
 }
@@ -83,14 +77,9 @@ fn missing_tensor_is_named() {
 fn wrong_shape_names_tensor_and_file() {
     let d = copy();
     let name = "language_model.model.layers.1.self_attn.q_proj.weight";
-    edit_header(d.path(), SHARD1, |h| {
-        h[name]["shape"] = serde_json::json!([64, 256])
-    });
+    edit_header(d.path(), SHARD1, |h| h[name]["shape"] = serde_json::json!([64, 256]));
     let e = load_err(d.path());
-    assert!(
-        e.contains(name) && e.contains(SHARD1) && e.contains("[64, 256]"),
-        "{e}"
-    );
+    assert!(e.contains(name) && e.contains(SHARD1) && e.contains("[64, 256]"), "{e}");
 }
 
 #[test]
@@ -102,19 +91,14 @@ fn wrong_dtype_names_tensor_and_file() {
         h[name]["shape"] = serde_json::json!([64]);
     });
     let e = load_err(d.path());
-    assert!(
-        e.contains(name) && e.contains(SHARD1) && e.contains("Bf16"),
-        "{e}"
-    );
+    assert!(e.contains(name) && e.contains(SHARD1) && e.contains("Bf16"), "{e}");
 }
 
 #[test]
 fn expert_record_with_wrong_shape_is_named() {
     let d = copy();
     let name = "language_model.model.layers.1.block_sparse_moe.experts.5.w2.weight_scale";
-    edit_header(d.path(), SHARD1, |h| {
-        h[name]["shape"] = serde_json::json!([3, 64])
-    });
+    edit_header(d.path(), SHARD1, |h| h[name]["shape"] = serde_json::json!([3, 64]));
     let e = load_err(d.path());
     assert!(e.contains(name) && e.contains(SHARD1), "{e}");
 }
@@ -127,10 +111,7 @@ fn truncated_shard_names_tensor_and_file() {
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
     f.set_len(len - 1000).unwrap();
     let e = load_err(d.path());
-    assert!(
-        e.contains("truncated") && e.contains(SHARD1) && e.contains("tensor `language_model."),
-        "{e}"
-    );
+    assert!(e.contains("truncated") && e.contains(SHARD1) && e.contains("tensor `language_model."), "{e}");
     // A file cut inside its header is also named.
     f.set_len(5).unwrap();
     let e = load_err(d.path());
@@ -144,15 +125,10 @@ fn missing_files_and_bad_config_are_named() {
     let e = load_err(d.path());
     assert!(e.contains("model-00002-of-000004.safetensors"), "{e}");
     let d = copy();
-    let cfg = std::fs::read_to_string(d.path().join("config.json"))
-        .unwrap()
-        .replace("\"situ\"", "\"gelu\"");
+    let cfg = std::fs::read_to_string(d.path().join("config.json")).unwrap().replace("\"situ\"", "\"gelu\"");
     std::fs::write(d.path().join("config.json"), cfg).unwrap();
     let e = load_err(d.path());
-    assert!(
-        e.contains("config.json") && e.contains("hidden_act") && e.contains("gelu"),
-        "{e}"
-    );
+    assert!(e.contains("config.json") && e.contains("hidden_act") && e.contains("gelu"), "{e}");
     let e = load_err(Path::new("/nonexistent/model"));
     assert!(e.contains("/nonexistent/model/config.json"), "{e}");
     assert!(K3Config::from_json("{}").is_err());

@@ -19,36 +19,22 @@ fn fixture_config_parses_with_schedule_from_lists() {
     let c = K3Config::from_json(FIXTURE).unwrap();
     assert_eq!(c.hidden_size, 128);
     assert_eq!(c.num_layers, 10);
-    let mla: Vec<usize> = (0..10)
-        .filter(|&l| c.attention[l] == AttentionKind::Mla)
-        .collect();
+    let mla: Vec<usize> = (0..10).filter(|&l| c.attention[l] == AttentionKind::Mla).collect();
     assert_eq!(mla, vec![3, 7, 9]);
     assert_eq!(c.mlp[0], MlpKind::Dense);
     assert_eq!(c.moe_layers(), (1..10).collect::<Vec<_>>());
-    assert_eq!(
-        (c.bos_token_id, c.eos_token_id, c.pad_token_id),
-        (1000, 1002, 1255)
-    );
-    assert_eq!(
-        c.expert_shape().total_bytes(),
-        3 * (96 * 64 / 2 + 96 * 64 / 32)
-    );
+    assert_eq!((c.bos_token_id, c.eos_token_id, c.pad_token_id), (1000, 1002, 1255));
+    assert_eq!(c.expert_shape().total_bytes(), 3 * (96 * 64 / 2 + 96 * 64 / 32));
 }
 
 #[test]
 fn missing_fields_are_named() {
     let t = edit(|v| {
-        v["text_config"]
-            .as_object_mut()
-            .unwrap()
-            .remove("num_experts");
+        v["text_config"].as_object_mut().unwrap().remove("num_experts");
     });
     assert!(err(&t).contains("text_config.num_experts"), "{}", err(&t));
     let t = edit(|v| {
-        v["text_config"]["linear_attn_config"]
-            .as_object_mut()
-            .unwrap()
-            .remove("kda_layers");
+        v["text_config"]["linear_attn_config"].as_object_mut().unwrap().remove("kda_layers");
     });
     assert!(err(&t).contains("text_config.linear_attn_config.kda_layers"));
     let t = edit(|v| {
@@ -60,95 +46,37 @@ fn missing_fields_are_named() {
 #[test]
 fn unsupported_values_are_named_with_value() {
     let cases: Vec<(Box<dyn Fn(&mut Value)>, &str, &str)> = vec![
+        (Box::new(|v| v["text_config"]["hidden_act"] = "silu".into()), "text_config.hidden_act", "silu"),
+        (Box::new(|v| v["text_config"]["moe_router_activation_func"] = "softmax".into()), "moe_router_activation_func", "softmax"),
+        (Box::new(|v| v["text_config"]["mla_use_nope"] = false.into()), "mla_use_nope", "false"),
+        (Box::new(|v| v["text_config"]["num_expert_group"] = 4.into()), "topk_group", "1"),
+        (Box::new(|v| v["text_config"]["num_experts_per_token"] = 64.into()), "num_experts_per_token", "64"),
+        (Box::new(|v| v["text_config"]["quantization_config"]["format"] = "int4".into()), "quantization_config.format", "int4"),
         (
-            Box::new(|v| v["text_config"]["hidden_act"] = "silu".into()),
-            "text_config.hidden_act",
-            "silu",
-        ),
-        (
-            Box::new(|v| v["text_config"]["moe_router_activation_func"] = "softmax".into()),
-            "moe_router_activation_func",
-            "softmax",
-        ),
-        (
-            Box::new(|v| v["text_config"]["mla_use_nope"] = false.into()),
-            "mla_use_nope",
-            "false",
-        ),
-        (
-            Box::new(|v| v["text_config"]["num_expert_group"] = 4.into()),
-            "topk_group",
-            "1",
-        ),
-        (
-            Box::new(|v| v["text_config"]["num_experts_per_token"] = 64.into()),
-            "num_experts_per_token",
-            "64",
-        ),
-        (
-            Box::new(|v| v["text_config"]["quantization_config"]["format"] = "int4".into()),
-            "quantization_config.format",
-            "int4",
-        ),
-        (
-            Box::new(|v| {
-                v["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]
-                    ["group_size"] = 16.into()
-            }),
+            Box::new(|v| v["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16.into()),
             "group_size",
             "16",
         ),
+        (Box::new(|v| v["text_config"]["moe_intermediate_size"] = 100.into()), "moe_intermediate_size", "100"),
+        (Box::new(|v| v["text_config"]["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 3, 4])), "kda_layers", "4"),
         (
-            Box::new(|v| v["text_config"]["moe_intermediate_size"] = 100.into()),
-            "moe_intermediate_size",
-            "100",
-        ),
-        (
-            Box::new(|v| {
-                v["text_config"]["linear_attn_config"]["kda_layers"] =
-                    serde_json::json!([1, 2, 3, 4])
-            }),
-            "kda_layers",
-            "4",
-        ),
-        (
-            Box::new(|v| {
-                v["text_config"]["linear_attn_config"]["full_attn_layers"] =
-                    serde_json::json!([4, 8, 11])
-            }),
+            Box::new(|v| v["text_config"]["linear_attn_config"]["full_attn_layers"] = serde_json::json!([4, 8, 11])),
             "full_attn_layers",
             "11",
         ),
-        (
-            Box::new(|v| v["text_config"]["hidden_size"] = (-5).into()),
-            "hidden_size",
-            "-5",
-        ),
-        (
-            Box::new(|v| v["model_type"] = "llama".into()),
-            "model_type",
-            "llama",
-        ),
-        (
-            Box::new(|v| v["text_config"]["num_nextn_predict_layers"] = 1.into()),
-            "num_nextn_predict_layers",
-            "1",
-        ),
+        (Box::new(|v| v["text_config"]["hidden_size"] = (-5).into()), "hidden_size", "-5"),
+        (Box::new(|v| v["model_type"] = "llama".into()), "model_type", "llama"),
+        (Box::new(|v| v["text_config"]["num_nextn_predict_layers"] = 1.into()), "num_nextn_predict_layers", "1"),
     ];
     for (f, field, value) in cases {
         let e = err(&edit(f));
-        assert!(
-            e.contains(field) && e.contains(value),
-            "error {e:?} should name {field} and {value}"
-        );
+        assert!(e.contains(field) && e.contains(value), "error {e:?} should name {field} and {value}");
     }
     assert!(err("{not json").contains("not valid JSON"));
 }
 
 #[test]
 fn a_layer_in_neither_list_is_an_error() {
-    let t = edit(|v| {
-        v["text_config"]["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 3, 5, 6, 7])
-    });
+    let t = edit(|v| v["text_config"]["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 3, 5, 6, 7]));
     assert!(err(&t).contains("missing 9"), "{}", err(&t));
 }

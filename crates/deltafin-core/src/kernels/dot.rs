@@ -130,16 +130,8 @@ pub(crate) mod x86 {
         while i < n {
             // SAFETY: i + 16 <= x.len() and w has 2 bytes per element.
             unsafe {
-                lo = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(x.as_ptr().add(i)),
-                    bf16x8(w.as_ptr().add(2 * i)),
-                    lo,
-                );
-                hi = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(x.as_ptr().add(i + 8)),
-                    bf16x8(w.as_ptr().add(2 * i + 16)),
-                    hi,
-                );
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), bf16x8(w.as_ptr().add(2 * i)), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8)), bf16x8(w.as_ptr().add(2 * i + 16)), hi);
             }
             i += LANES;
         }
@@ -155,16 +147,8 @@ pub(crate) mod x86 {
         while i < n {
             // SAFETY: i + 16 <= len of both slices.
             unsafe {
-                lo = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(x.as_ptr().add(i)),
-                    _mm256_loadu_ps(w.as_ptr().add(i)),
-                    lo,
-                );
-                hi = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(x.as_ptr().add(i + 8)),
-                    _mm256_loadu_ps(w.as_ptr().add(i + 8)),
-                    hi,
-                );
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(w.as_ptr().add(i)), lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8)), _mm256_loadu_ps(w.as_ptr().add(i + 8)), hi);
             }
             i += LANES;
         }
@@ -203,13 +187,7 @@ pub(crate) mod x86 {
         let mut i = 0;
         while i < n {
             // SAFETY: i + 16 <= len of both slices.
-            unsafe {
-                acc = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(x.as_ptr().add(i)),
-                    _mm512_loadu_ps(w.as_ptr().add(i)),
-                    acc,
-                )
-            };
+            unsafe { acc = _mm512_fmadd_ps(_mm512_loadu_ps(x.as_ptr().add(i)), _mm512_loadu_ps(w.as_ptr().add(i)), acc) };
             i += LANES;
         }
         dot_f32_scalar(x, w, n, unsafe { store16(acc) })

@@ -10,9 +10,7 @@
 use super::dot::{reduce_lanes, Isa, LANES};
 
 /// E2M1 code to value, sign included (code 8 is -0.0).
-const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// The value of an E2M1 code (low 4 bits).
 pub fn e2m1_value(code: u8) -> f32 {
@@ -31,11 +29,7 @@ pub fn e8m0_scale(s: u8) -> f32 {
 
 /// Reorders `x` (length a multiple of 32) so each group of 32 reads `[even cols.., odd cols..]`.
 pub fn permute_for_mxfp4(x: &[f32]) -> Vec<f32> {
-    assert_eq!(
-        x.len() % 32,
-        0,
-        "MXFP4 input length must be a multiple of 32"
-    );
+    assert_eq!(x.len() % 32, 0, "MXFP4 input length must be a multiple of 32");
     let mut out = vec![0f32; x.len()];
     for (g, chunk) in x.chunks_exact(32).enumerate() {
         for j in 0..16 {
@@ -49,10 +43,7 @@ pub fn permute_for_mxfp4(x: &[f32]) -> Vec<f32> {
 /// One row: `sum_c x[c] * W[c]` with `xp` from [`permute_for_mxfp4`], `packed` of `cols/2` bytes
 /// and `scales` of `cols/32` bytes.
 pub fn dot_mxfp4(isa: Isa, xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
-    assert!(
-        xp.len() == packed.len() * 2 && xp.len() == scales.len() * 32,
-        "dot_mxfp4: length mismatch"
-    );
+    assert!(xp.len() == packed.len() * 2 && xp.len() == scales.len() * 32, "dot_mxfp4: length mismatch");
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: SIMD variants are only selected after feature detection.
@@ -89,12 +80,7 @@ pub struct Mxfp4Matrix<'a> {
 
 impl<'a> Mxfp4Matrix<'a> {
     /// Checks the byte lengths against `[rows, cols]`.
-    pub fn new(
-        rows: usize,
-        cols: usize,
-        packed: &'a [u8],
-        scales: &'a [u8],
-    ) -> crate::Result<Self> {
+    pub fn new(rows: usize, cols: usize, packed: &'a [u8], scales: &'a [u8]) -> crate::Result<Self> {
         if cols % 32 != 0 || packed.len() != rows * cols / 2 || scales.len() != rows * cols / 32 {
             return Err(crate::Error::ExpertLayout(format!(
                 "MXFP4 [{rows}, {cols}] needs {} packed and {} scale bytes, got {} and {}",
@@ -104,24 +90,14 @@ impl<'a> Mxfp4Matrix<'a> {
                 scales.len()
             )));
         }
-        Ok(Mxfp4Matrix {
-            rows,
-            cols,
-            packed,
-            scales,
-        })
+        Ok(Mxfp4Matrix { rows, cols, packed, scales })
     }
     /// Row `r`: one output of `W x` for a permuted input.
     #[inline]
     pub fn dot_row(&self, isa: Isa, r: usize, xp: &[f32]) -> f32 {
         let pb = self.cols / 2;
         let sb = self.cols / 32;
-        dot_mxfp4(
-            isa,
-            xp,
-            &self.packed[r * pb..(r + 1) * pb],
-            &self.scales[r * sb..(r + 1) * sb],
-        )
+        dot_mxfp4(isa, xp, &self.packed[r * pb..(r + 1) * pb], &self.scales[r * sb..(r + 1) * sb])
     }
 }
 
@@ -136,11 +112,7 @@ mod x86 {
         // SAFETY: caller guarantees 8 readable bytes.
         unsafe {
             let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes8 as *const __m128i));
-            let code = if shift == 0 {
-                _mm256_and_si256(b, _mm256_set1_epi32(15))
-            } else {
-                _mm256_srli_epi32(b, 4)
-            };
+            let code = if shift == 0 { _mm256_and_si256(b, _mm256_set1_epi32(15)) } else { _mm256_srli_epi32(b, 4) };
             let m = _mm256_permutevar8x32_ps(mag, _mm256_and_si256(code, _mm256_set1_epi32(7)));
             let sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
             _mm256_xor_ps(m, _mm256_castsi256_ps(sign))
@@ -179,13 +151,8 @@ mod x86 {
             let sc = _mm512_set1_ps(e8m0_scale(s));
             // SAFETY: as in the AVX2 version.
             unsafe {
-                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                    packed.as_ptr().add(16 * g) as *const __m128i
-                ));
-                let even = _mm512_mul_ps(
-                    _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut),
-                    sc,
-                );
+                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed.as_ptr().add(16 * g) as *const __m128i));
+                let even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut), sc);
                 let odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), sc);
                 let x = xp.as_ptr().add(32 * g);
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(x), even, acc);

@@ -19,9 +19,7 @@ impl Rng {
 }
 
 fn bf16_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter()
-        .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
-        .collect()
+    v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect()
 }
 
 #[test]
@@ -37,22 +35,11 @@ fn bf16_and_f32_dots_agree_across_isas_bitwise() {
             .zip(&wb.chunks(2).collect::<Vec<_>>())
             .map(|(a, b)| *a as f64 * crate::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])) as f64)
             .sum();
-        assert!(
-            (reference as f64 - exact).abs() < 1e-4 * (n as f64).sqrt(),
-            "n={n}"
-        );
+        assert!((reference as f64 - exact).abs() < 1e-4 * (n as f64).sqrt(), "n={n}");
         let rf = dot_f32(Isa::Scalar, &x, &w);
         for isa in Isa::available() {
-            assert_eq!(
-                dot_bf16(isa, &x, &wb).to_bits(),
-                reference.to_bits(),
-                "{isa:?} n={n}"
-            );
-            assert_eq!(
-                dot_f32(isa, &x, &w).to_bits(),
-                rf.to_bits(),
-                "{isa:?} n={n}"
-            );
+            assert_eq!(dot_bf16(isa, &x, &wb).to_bits(), reference.to_bits(), "{isa:?} n={n}");
+            assert_eq!(dot_f32(isa, &x, &w).to_bits(), rf.to_bits(), "{isa:?} n={n}");
         }
     }
 }
@@ -63,9 +50,7 @@ fn mxfp4_dot_matches_dequantized_reference_and_isas() {
     for cols in [32usize, 64, 3584] {
         let x: Vec<f32> = (0..cols).map(|_| rng.f32()).collect();
         let packed: Vec<u8> = (0..cols / 2).map(|_| rng.next() as u8).collect();
-        let scales: Vec<u8> = (0..cols / 32)
-            .map(|_| 110 + (rng.next() % 30) as u8)
-            .collect();
+        let scales: Vec<u8> = (0..cols / 32).map(|_| 110 + (rng.next() % 30) as u8).collect();
         // Independent dequantization: column c of group g, low nibble = even column.
         let w: Vec<f64> = (0..cols)
             .map(|c| {
@@ -77,16 +62,9 @@ fn mxfp4_dot_matches_dequantized_reference_and_isas() {
         let exact: f64 = x.iter().zip(&w).map(|(a, b)| *a as f64 * b).sum();
         let xp = permute_for_mxfp4(&x);
         let reference = dot_mxfp4(Isa::Scalar, &xp, &packed, &scales);
-        assert!(
-            (reference as f64 - exact).abs() <= 1e-5 * exact.abs().max(1.0),
-            "cols={cols}: {reference} vs {exact}"
-        );
+        assert!((reference as f64 - exact).abs() <= 1e-5 * exact.abs().max(1.0), "cols={cols}: {reference} vs {exact}");
         for isa in Isa::available() {
-            assert_eq!(
-                dot_mxfp4(isa, &xp, &packed, &scales).to_bits(),
-                reference.to_bits(),
-                "{isa:?}"
-            );
+            assert_eq!(dot_mxfp4(isa, &xp, &packed, &scales).to_bits(), reference.to_bits(), "{isa:?}");
         }
     }
 }

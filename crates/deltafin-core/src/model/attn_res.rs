@@ -20,10 +20,7 @@ pub struct Residual {
 impl Residual {
     /// Starts from the token embeddings.
     pub fn new(embeddings: Mat) -> Residual {
-        Residual {
-            anchors: Vec::new(),
-            partial: embeddings,
-        }
+        Residual { anchors: Vec::new(), partial: embeddings }
     }
     /// Number of token rows.
     pub fn rows(&self) -> usize {

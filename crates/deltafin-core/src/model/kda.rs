@@ -49,10 +49,7 @@ impl KdaState {
     /// The zero state.
     pub fn new(cfg: &K3Config) -> KdaState {
         let c = cfg.kda_dim();
-        KdaState {
-            conv: vec![0.0; 3 * (cfg.conv_kernel - 1) * c],
-            s: vec![0.0; cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim],
-        }
+        KdaState { conv: vec![0.0; 3 * (cfg.conv_kernel - 1) * c], s: vec![0.0; cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim] }
     }
     /// Bytes held.
     pub fn bytes(&self) -> usize {
@@ -84,18 +81,9 @@ impl KdaWeights {
 
     /// Runs `x` (the normed attention input, one row per token) through the layer, advancing state.
     pub fn forward(&self, cfg: &K3Config, isa: Isa, x: &Mat, state: &mut KdaState) -> Mat {
-        let (heads, d, c, kern) = (
-            cfg.kda_heads,
-            cfg.kda_head_dim,
-            cfg.kda_dim(),
-            cfg.conv_kernel,
-        );
+        let (heads, d, c, kern) = (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_dim(), cfg.conv_kernel);
         let t_len = x.rows;
-        let mut qkv = [
-            matmul_bf16(x, &self.q_proj),
-            matmul_bf16(x, &self.k_proj),
-            matmul_bf16(x, &self.v_proj),
-        ];
+        let mut qkv = [matmul_bf16(x, &self.q_proj), matmul_bf16(x, &self.k_proj), matmul_bf16(x, &self.v_proj)];
         // Causal depthwise conv over [state ; x], then SiLU; keep the last kernel-1 raw inputs.
         for (i, m) in qkv.iter_mut().enumerate() {
             let st = &mut state.conv[i * (kern - 1) * c..(i + 1) * (kern - 1) * c];
@@ -171,12 +159,7 @@ impl KdaWeights {
         for t in 0..t_len {
             let row = o.row_mut(t);
             for hh in 0..heads {
-                rms_norm_in_place(
-                    isa,
-                    &mut row[hh * d..(hh + 1) * d],
-                    Some(&self.o_norm),
-                    cfg.rms_norm_eps,
-                );
+                rms_norm_in_place(isa, &mut row[hh * d..(hh + 1) * d], Some(&self.o_norm), cfg.rms_norm_eps);
             }
             for (v, g) in row.iter_mut().zip(gate.row(t)) {
                 *v *= sigmoid(*g);
@@ -189,16 +172,7 @@ impl KdaWeights {
 /// One delta-rule step for one head: `S <- diag(decay) S; S += beta k (v - S k)^T; o = S q`,
 /// with `S` stored `[V][K]`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn recurrent_step(
-    isa: Isa,
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    decay: &[f32],
-    beta: f32,
-    o: &mut [f32],
-) {
+pub(crate) fn recurrent_step(isa: Isa, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]) {
     let d = k.len();
     for vi in 0..v.len() {
         let row = &mut s[vi * d..(vi + 1) * d];
@@ -223,16 +197,7 @@ pub(crate) fn recurrent_step(
 /// `S' = G_T S0 + sum_i (G_T/G_i) k_i u_i^T`. Exact in real arithmetic; in F32 it agrees with the
 /// recurrence to rounding (tested). Chunks must be short enough that `G` does not underflow.
 #[allow(clippy::too_many_arguments)]
-pub fn chunked_delta_rule(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    decay: &[f32],
-    beta: &[f32],
-    d: usize,
-    chunk: usize,
-) -> Vec<f32> {
+pub fn chunked_delta_rule(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: &[f32], d: usize, chunk: usize) -> Vec<f32> {
     let t_len = beta.len();
     let mut out = vec![0f32; t_len * d];
     let mut start = 0;
@@ -334,34 +299,14 @@ mod tests {
         let mut o_rec = vec![0f32; t_len * d];
         for t in 0..t_len {
             let r = t * d..(t + 1) * d;
-            recurrent_step(
-                Isa::Scalar,
-                &mut s_rec,
-                &q[r.clone()],
-                &k[r.clone()],
-                &v[r.clone()],
-                &decay[r.clone()],
-                beta[t],
-                &mut o_rec[r],
-            );
+            recurrent_step(Isa::Scalar, &mut s_rec, &q[r.clone()], &k[r.clone()], &v[r.clone()], &decay[r.clone()], beta[t], &mut o_rec[r]);
         }
         for chunk in [1, 4, 8, 64] {
             let mut s = s0.clone();
             let o = chunked_delta_rule(&mut s, &q, &k, &v, &decay, &beta, d, chunk);
-            let worst_o = o
-                .iter()
-                .zip(&o_rec)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            let worst_s = s
-                .iter()
-                .zip(&s_rec)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(
-                worst_o < 1e-4 && worst_s < 1e-4,
-                "chunk {chunk}: outputs differ by {worst_o}, state by {worst_s}"
-            );
+            let worst_o = o.iter().zip(&o_rec).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let worst_s = s.iter().zip(&s_rec).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst_o < 1e-4 && worst_s < 1e-4, "chunk {chunk}: outputs differ by {worst_o}, state by {worst_s}");
         }
     }
 }

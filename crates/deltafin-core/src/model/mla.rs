@@ -47,12 +47,7 @@ pub struct MlaCache {
 impl MlaCache {
     /// An empty cache holding at most `limit` tokens.
     pub fn new(limit: usize) -> MlaCache {
-        MlaCache {
-            latent: Vec::new(),
-            k_pe: Vec::new(),
-            len: 0,
-            limit,
-        }
+        MlaCache { latent: Vec::new(), k_pe: Vec::new(), len: 0, limit }
     }
     /// Bytes per cached token.
     pub fn bytes_per_token(cfg: &K3Config) -> usize {
@@ -75,35 +70,17 @@ impl MlaWeights {
             q_a: l.matrix("q_a_proj.weight", cfg.q_lora_rank, h)?,
             q_a_norm: l.vector("q_a_layernorm.weight", cfg.q_lora_rank)?,
             q_b: l.matrix("q_b_proj.weight", n * cfg.qk_head_dim(), cfg.q_lora_rank)?,
-            kv_a: l.matrix(
-                "kv_a_proj_with_mqa.weight",
-                cfg.kv_lora_rank + cfg.qk_rope_dim,
-                h,
-            )?,
+            kv_a: l.matrix("kv_a_proj_with_mqa.weight", cfg.kv_lora_rank + cfg.qk_rope_dim, h)?,
             kv_a_norm: l.vector("kv_a_layernorm.weight", cfg.kv_lora_rank)?,
-            kv_b: l.matrix(
-                "kv_b_proj.weight",
-                n * (cfg.qk_nope_dim + cfg.v_head_dim),
-                cfg.kv_lora_rank,
-            )?,
+            kv_b: l.matrix("kv_b_proj.weight", n * (cfg.qk_nope_dim + cfg.v_head_dim), cfg.kv_lora_rank)?,
             o_proj: l.matrix("o_proj.weight", h, n * cfg.v_head_dim)?,
-            g_proj: if cfg.mla_output_gate {
-                Some(l.matrix("g_proj.weight", n * cfg.v_head_dim, h)?)
-            } else {
-                None
-            },
+            g_proj: if cfg.mla_output_gate { Some(l.matrix("g_proj.weight", n * cfg.v_head_dim, h)?) } else { None },
         })
     }
 
     /// Attends `x` (normed attention input) over the cache plus itself, appending to the cache.
     pub fn forward(&self, cfg: &K3Config, isa: Isa, x: &Mat, cache: &mut MlaCache) -> Result<Mat> {
-        let (heads, nope, rope, vd, lora) = (
-            cfg.mla_heads,
-            cfg.qk_nope_dim,
-            cfg.qk_rope_dim,
-            cfg.v_head_dim,
-            cfg.kv_lora_rank,
-        );
+        let (heads, nope, rope, vd, lora) = (cfg.mla_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank);
         let t_len = x.rows;
         if cache.len + t_len > cache.limit {
             return Err(Error::ContextLimit(format!(
@@ -111,15 +88,7 @@ impl MlaWeights {
                 cache.limit, t_len, cache.len
             )));
         }
-        let q = matmul_bf16(
-            &rms_norm_rows(
-                isa,
-                &matmul_bf16(x, &self.q_a),
-                &self.q_a_norm,
-                LORA_NORM_EPS,
-            ),
-            &self.q_b,
-        );
+        let q = matmul_bf16(&rms_norm_rows(isa, &matmul_bf16(x, &self.q_a), &self.q_a_norm, LORA_NORM_EPS), &self.q_b);
         let kv = matmul_bf16(x, &self.kv_a);
         for t in 0..t_len {
             let row = kv.row(t);
@@ -159,16 +128,11 @@ impl MlaWeights {
                 softmax_in_place(&mut scores);
                 let mut o_lat = vec![0f32; lora];
                 for (j, p) in scores.iter().enumerate() {
-                    for (o, l) in o_lat
-                        .iter_mut()
-                        .zip(&cache_ref.latent[j * lora..(j + 1) * lora])
-                    {
+                    for (o, l) in o_lat.iter_mut().zip(&cache_ref.latent[j * lora..(j + 1) * lora]) {
                         *o += p * l;
                     }
                 }
-                (0..vd)
-                    .map(|i| dot_bf16(isa, &o_lat, self.kv_b.row(h * per_head + nope + i)))
-                    .collect()
+                (0..vd).map(|i| dot_bf16(isa, &o_lat, self.kv_b.row(h * per_head + nope + i))).collect()
             })
             .collect();
         let mut attn = Mat::zeros(t_len, heads * vd);

@@ -102,14 +102,8 @@ impl Model {
                     AttentionKind::Mla => Attention::Mla(mla::MlaWeights::load(cfg, &attn)?),
                 },
                 mlp: match cfg.mlp[l] {
-                    MlpKind::Dense => Mlp::Dense(moe::GluWeights::load(
-                        cfg,
-                        &ll.sub("mlp."),
-                        cfg.intermediate_size,
-                    )?),
-                    MlpKind::Moe => {
-                        Mlp::Moe(moe::MoeWeights::load(cfg, &ll.sub("block_sparse_moe."))?)
-                    }
+                    MlpKind::Dense => Mlp::Dense(moe::GluWeights::load(cfg, &ll.sub("mlp."), cfg.intermediate_size)?),
+                    MlpKind::Moe => Mlp::Moe(moe::MoeWeights::load(cfg, &ll.sub("block_sparse_moe."))?),
                 },
             });
         }
@@ -146,25 +140,16 @@ impl Model {
         let mut m = Mat::zeros(ids.len(), self.config.hidden_size);
         for (t, &id) in ids.iter().enumerate() {
             if id as usize >= self.config.vocab_size {
-                return Err(Error::TokenOutOfRange {
-                    id,
-                    vocab: self.config.vocab_size,
-                });
+                return Err(Error::TokenOutOfRange { id, vocab: self.config.vocab_size });
             }
-            m.row_mut(t)
-                .copy_from_slice(&self.embed.row_f32(id as usize));
+            m.row_mut(t).copy_from_slice(&self.embed.row_f32(id as usize));
         }
         Ok(m)
     }
 
     /// Attention half of layer `l`: mixes, attends (advancing `state`), updates the residual and
     /// returns the normed MLP input.
-    pub fn attention_block(
-        &self,
-        l: usize,
-        state: &mut LayerState,
-        res: &mut Residual,
-    ) -> Result<Mat> {
+    pub fn attention_block(&self, l: usize, state: &mut LayerState, res: &mut Residual) -> Result<Mat> {
         let cfg = &self.config;
         let layer = &self.layers[l];
         let eps = cfg.rms_norm_eps;
@@ -227,30 +212,15 @@ impl Model {
 
     /// Logits `[rows, vocab]` for the residual rows `rows`.
     pub fn logits(&self, res: &Residual, rows: std::ops::Range<usize>) -> Mat {
-        let anchors: Vec<Mat> = res
-            .anchors
-            .iter()
-            .map(|a| a.rows_range(rows.start, rows.len()))
-            .collect();
+        let anchors: Vec<Mat> = res.anchors.iter().map(|a| a.rows_range(rows.start, rows.len())).collect();
         let partial = res.partial.rows_range(rows.start, rows.len());
-        let h = attn_res::mix(
-            self.isa,
-            &anchors,
-            &partial,
-            &self.output_res,
-            self.config.rms_norm_eps,
-        );
+        let h = attn_res::mix(self.isa, &anchors, &partial, &self.output_res, self.config.rms_norm_eps);
         let x = rms_norm_rows(self.isa, &h, &self.norm, self.config.rms_norm_eps);
         matmul_bf16(&x, &self.lm_head)
     }
 
     /// Bytes of spine weights this model borrows.
     pub fn spine_bytes(&self) -> usize {
-        self.embed.byte_len()
-            + if self.config.tie_word_embeddings {
-                0
-            } else {
-                self.lm_head.byte_len()
-            }
+        self.embed.byte_len() + if self.config.tie_word_embeddings { 0 } else { self.lm_head.byte_len() }
     }
 }

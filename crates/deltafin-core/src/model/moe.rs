@@ -59,17 +59,9 @@ impl MoeWeights {
             bias: l.f32_tensor("gate.e_score_correction_bias", &[e])?,
             down: l.matrix("routed_expert_down_proj.weight", lat, h)?,
             up: l.matrix("routed_expert_up_proj.weight", h, lat)?,
-            norm: if cfg.latent_norm {
-                Some(l.vector("routed_expert_norm.weight", lat)?)
-            } else {
-                None
-            },
+            norm: if cfg.latent_norm { Some(l.vector("routed_expert_norm.weight", lat)?) } else { None },
             shared: if cfg.num_shared_experts > 0 {
-                Some(GluWeights::load(
-                    cfg,
-                    &l.sub("shared_experts."),
-                    cfg.moe_intermediate_size * cfg.num_shared_experts,
-                )?)
+                Some(GluWeights::load(cfg, &l.sub("shared_experts."), cfg.moe_intermediate_size * cfg.num_shared_experts)?)
             } else {
                 None
             },
@@ -78,9 +70,7 @@ impl MoeWeights {
 
     pub fn route(&self, cfg: &K3Config, x: &Mat) -> Vec<Route> {
         let logits = matmul_bf16(x, &self.router);
-        (0..x.rows)
-            .map(|t| route_one(cfg, logits.row(t), &self.bias))
-            .collect()
+        (0..x.rows).map(|t| route_one(cfg, logits.row(t), &self.bias)).collect()
     }
 
     pub fn latent_in(&self, x: &Mat) -> Mat {
@@ -122,9 +112,7 @@ fn route_one(cfg: &K3Config, logits: &[f32], bias: &[f32]) -> Route {
         let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
         weights.iter_mut().for_each(|w| *w /= sum);
     }
-    weights
-        .iter_mut()
-        .for_each(|w| *w *= cfg.routed_scaling_factor);
+    weights.iter_mut().for_each(|w| *w *= cfg.routed_scaling_factor);
     Route { experts, weights }
 }
 
@@ -143,18 +131,12 @@ impl ExpertLayout {
     }
     fn matrices<'a>(&self, bytes: &'a [u8]) -> Result<[Mxfp4Matrix<'a>; 3]> {
         if bytes.len() < self.span_len() {
-            return Err(Error::ExpertLayout(format!(
-                "expert span is {} bytes, expected {}",
-                bytes.len(),
-                self.span_len()
-            )));
+            return Err(Error::ExpertLayout(format!("expert span is {} bytes, expected {}", bytes.len(), self.span_len())));
         }
         let s = self.shape;
         let (pb, sb) = (s.packed_bytes(), s.scale_bytes());
         let rec = |i: usize, len: usize| -> Result<&'a [u8]> {
-            bytes
-                .get(self.offsets[i]..self.offsets[i] + len)
-                .ok_or_else(|| Error::ExpertLayout(format!("record {i} out of range")))
+            bytes.get(self.offsets[i]..self.offsets[i] + len).ok_or_else(|| Error::ExpertLayout(format!("record {i} out of range")))
         };
         Ok([
             Mxfp4Matrix::new(s.inter, s.latent, rec(0, pb)?, rec(1, sb)?)?,
@@ -165,13 +147,7 @@ impl ExpertLayout {
 }
 
 /// One expert applied to some latent rows: `w2(situ(w3 z, w1 z))`, straight from its bytes.
-pub fn expert_forward(
-    cfg: &K3Config,
-    isa: Isa,
-    layout: &ExpertLayout,
-    bytes: &[u8],
-    z: &Mat,
-) -> Result<Mat> {
+pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
     let [w1, w2, w3] = layout.matrices(bytes)?;
     let (inter, latent) = (layout.shape.inter, layout.shape.latent);
     // Each weight row is read once for all token rows; every value is one fixed-order dot.
@@ -179,27 +155,11 @@ pub fn expert_forward(
     let act: Vec<Vec<f32>> = (0..inter)
         .into_par_iter()
         .with_min_len(32)
-        .map(|r| {
-            zp.iter()
-                .map(|x| {
-                    situ(
-                        w3.dot_row(isa, r, x),
-                        w1.dot_row(isa, r, x),
-                        cfg.situ_beta,
-                        cfg.situ_linear_beta,
-                    )
-                })
-                .collect()
-        })
+        .map(|r| zp.iter().map(|x| situ(w3.dot_row(isa, r, x), w1.dot_row(isa, r, x), cfg.situ_beta, cfg.situ_linear_beta)).collect())
         .collect();
-    let ap: Vec<Vec<f32>> = (0..z.rows)
-        .map(|t| permute_for_mxfp4(&act.iter().map(|col| col[t]).collect::<Vec<_>>()))
-        .collect();
-    let y: Vec<Vec<f32>> = (0..latent)
-        .into_par_iter()
-        .with_min_len(32)
-        .map(|r| ap.iter().map(|a| w2.dot_row(isa, r, a)).collect())
-        .collect();
+    let ap: Vec<Vec<f32>> = (0..z.rows).map(|t| permute_for_mxfp4(&act.iter().map(|col| col[t]).collect::<Vec<_>>())).collect();
+    let y: Vec<Vec<f32>> =
+        (0..latent).into_par_iter().with_min_len(32).map(|r| ap.iter().map(|a| w2.dot_row(isa, r, a)).collect()).collect();
     let mut out = Mat::zeros(z.rows, latent);
     for t in 0..z.rows {
         for (r, col) in y.iter().enumerate() {
@@ -221,11 +181,7 @@ impl MoeCombine {
     /// Prepares slots for these routes.
     pub fn new(routes: Vec<Route>, latent: usize) -> MoeCombine {
         let n = routes.iter().map(|r| r.experts.len()).sum();
-        MoeCombine {
-            routes,
-            slots: vec![None; n],
-            latent,
-        }
+        MoeCombine { routes, slots: vec![None; n], latent }
     }
     /// The routes being combined.
     pub fn routes(&self) -> &[Route] {
@@ -245,11 +201,7 @@ impl MoeCombine {
     pub fn add(&mut self, e: u32, rows: &[usize], out: &Mat) {
         let k = self.routes.first().map_or(0, |r| r.experts.len());
         for (i, &t) in rows.iter().enumerate() {
-            let slot = self.routes[t]
-                .experts
-                .iter()
-                .position(|&x| x == e)
-                .expect("expert not routed for this row");
+            let slot = self.routes[t].experts.iter().position(|&x| x == e).expect("expert not routed for this row");
             self.slots[t * k + slot] = Some(out.row(i).to_vec());
         }
     }
@@ -261,9 +213,7 @@ impl MoeCombine {
         for (t, r) in self.routes.iter().enumerate() {
             let o = out.row_mut(t);
             for (s, w) in r.weights.iter().enumerate() {
-                let y = self.slots[t * k + s]
-                    .as_ref()
-                    .expect("expert output missing");
+                let y = self.slots[t * k + s].as_ref().expect("expert output missing");
                 for (oi, yi) in o.iter_mut().zip(y) {
                     *oi += w * yi;
                 }

@@ -2,10 +2,8 @@
 
 use super::*;
 
-const RANKS: &str =
-    include_str!("../../../../tests/fixtures/tiny-k3-dev/checkpoint/tiktoken.model");
-const TOKCFG: &str =
-    include_str!("../../../../tests/fixtures/tiny-k3-dev/checkpoint/tokenizer_config.json");
+const RANKS: &str = include_str!("../../../../tests/fixtures/tiny-k3-dev/checkpoint/tiktoken.model");
+const TOKCFG: &str = include_str!("../../../../tests/fixtures/tiny-k3-dev/checkpoint/tokenizer_config.json");
 const REFERENCE: &str = include_str!("../../../../tests/fixtures/tiny-k3-dev/reference.json");
 
 #[test]
@@ -16,12 +14,7 @@ fn fixture_tokenizer_cases_match() {
     assert!(cases.len() >= 5);
     for c in cases {
         let text = c["text"].as_str().unwrap();
-        let want: Vec<u32> = c["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
+        let want: Vec<u32> = c["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         let got = match c["mode"].as_str().unwrap() {
             "ordinary" => tok.encode_ordinary(text),
             _ => tok.encode_with_specials(text),
@@ -30,12 +23,7 @@ fn fixture_tokenizer_cases_match() {
         assert_eq!(tok.decode(&got), text);
     }
     let prompt = r["prompt_text"].as_str().unwrap();
-    let ids: Vec<u32> = r["prompt_token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect();
+    let ids: Vec<u32> = r["prompt_token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     assert_eq!(tok.encode_ordinary(prompt), ids);
     assert_eq!(tok.special("<|end_of_msg|>"), Some(1002));
     assert_eq!(tok.special("[PAD]"), Some(1255));
@@ -48,20 +36,11 @@ fn fixture_tokenizer_cases_match() {
 
 #[test]
 fn rank_file_errors_are_clear() {
-    let e = Tokenizer::from_tiktoken("AA== 0\nAQ== 5\n", None, K3_PATTERN)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = Tokenizer::from_tiktoken("AA== 0\nAQ== 5\n", None, K3_PATTERN).err().unwrap().to_string();
     assert!(e.contains("line 2") && e.contains("consecutive"), "{e}");
-    let e = Tokenizer::from_tiktoken("!!! 0\n", None, K3_PATTERN)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = Tokenizer::from_tiktoken("!!! 0\n", None, K3_PATTERN).err().unwrap().to_string();
     assert!(e.contains("base64"), "{e}");
-    let e = Tokenizer::from_tiktoken("AA== 0\n", None, K3_PATTERN)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = Tokenizer::from_tiktoken("AA== 0\n", None, K3_PATTERN).err().unwrap().to_string();
     assert!(e.contains("0x01"), "{e}");
 }
 
@@ -83,27 +62,13 @@ fn streaming_decoder_holds_partial_utf8() {
 /// The o200k rank file shipped inside the `tiktoken-rs` crate, found through `cargo metadata`.
 fn o200k_file() -> std::path::PathBuf {
     let out = std::process::Command::new(env!("CARGO"))
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--manifest-path",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
-        ])
+        .args(["metadata", "--format-version", "1", "--manifest-path", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")])
         .output()
         .expect("cargo metadata");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let pkg = v["packages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["name"] == "tiktoken-rs")
-        .expect("tiktoken-rs in the dependency graph");
+    let pkg = v["packages"].as_array().unwrap().iter().find(|p| p["name"] == "tiktoken-rs").expect("tiktoken-rs in the dependency graph");
     let manifest = std::path::PathBuf::from(pkg["manifest_path"].as_str().unwrap());
-    manifest
-        .parent()
-        .unwrap()
-        .join("assets/o200k_base.tiktoken")
+    manifest.parent().unwrap().join("assets/o200k_base.tiktoken")
 }
 
 #[test]
@@ -120,11 +85,7 @@ fn real_o200k_rank_file_matches_tiktoken_rs() {
         "don't won't I'm you'll THEY'RE 1234567 3.14159",
         "fn main() {\n    println!(\"{}\", x + 1);\n}\n",
     ] {
-        let want: Vec<u32> = theirs
-            .encode_ordinary(s)
-            .into_iter()
-            .map(|x| x as u32)
-            .collect();
+        let want: Vec<u32> = theirs.encode_ordinary(s).into_iter().map(|x| x as u32).collect();
         assert_eq!(ours.encode_ordinary(s), want, "{s:?}");
         assert_eq!(ours.decode(&want), s);
     }

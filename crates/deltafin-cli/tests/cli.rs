@@ -1,0 +1,158 @@
+//! The `deltafin` binary end to end: run (text, ids, stdin, stats JSON), logits, setup with a
+//! crash and resume, doctor.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_deltafin"))
+}
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
+}
+
+fn ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{:?} failed: {}", cmd, String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+const REFERENCE_GREEDY: &str = "419,163,307,775,448,336,178,818,526,97,40,606,165,14,688,912";
+const PROMPT_IDS: &str = "78,544,115,815,284,256,101,969,111,58,32,49,50,347,266,115,907,32,52,50,32,281,115,119,256,115,46";
+const PROMPT_TEXT: &str = "Numbers matter here too: 12 boats and 42 answers.";
+
+#[test]
+fn run_prints_reference_ids_from_ids_text_and_stdin() {
+    let f = fixture();
+    let out = ok(bin().args(["run", "--model"]).arg(&f).args(["--ids", PROMPT_IDS, "--max-new", "16", "--print-ids"]));
+    assert_eq!(out.trim(), REFERENCE_GREEDY);
+    let out = ok(bin().args(["run", "--model"]).arg(&f).args(["--prompt", PROMPT_TEXT, "--max-new", "16", "--print-ids"]));
+    assert_eq!(out.trim(), REFERENCE_GREEDY);
+    let mut child = bin()
+        .args(["run", "--model"])
+        .arg(&f)
+        .args(["--max-new", "16", "--print-ids"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(PROMPT_TEXT.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), REFERENCE_GREEDY);
+    // Text mode streams the decoded bytes of the same ids.
+    let text = ok(bin().args(["run", "--model"]).arg(&f).args(["--prompt", PROMPT_TEXT, "--max-new", "4"]));
+    assert!(text.starts_with(" exper"), "{text:?}");
+}
+
+#[test]
+fn bad_input_gets_clear_errors() {
+    let f = fixture();
+    let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "", "--max-new", "2"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("empty"));
+    let out = bin().args(["run", "--model", "/nonexistent", "--prompt", "x"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("/nonexistent/config.json"));
+    let out = bin().args(["run", "--model"]).arg(&f).args(["--ids", "5000", "--max-new", "2"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary"));
+    let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "x", "--ram-budget", "1G"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("deltafin setup"));
+    let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "x", "--ram-budget", "lots"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not a size"));
+}
+
+#[test]
+fn logits_file_has_one_row_per_position() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("l.safetensors");
+    ok(bin().args(["logits", "--model"]).arg(fixture()).args(["--ids", "1,2,3,4", "--out"]).arg(&out));
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("logits").unwrap();
+    assert_eq!(t.shape(), &[4, 1256]);
+    assert_eq!(t.dtype(), safetensors::Dtype::F32);
+}
+
+fn tree(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push((p.strip_prefix(dir).unwrap().display().to_string(), std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn setup_killed_midway_resumes_to_an_identical_store_and_runs_within_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let setup = |root: &Path| {
+        let mut c = bin();
+        c.args(["setup", "--full", "--copies", "2", "--from"]).arg(fixture()).arg("--out").arg(root.join("store"));
+        for h in 0..3 {
+            c.arg("--home").arg(root.join(format!("d{h}")));
+            std::fs::create_dir_all(root.join(format!("d{h}"))).unwrap();
+        }
+        c
+    };
+    ok(&mut setup(&a));
+    let crashed = setup(&b).env("DELTAFIN_SETUP_CRASH_AFTER_LAYERS", "4").output().unwrap();
+    assert!(!crashed.status.success(), "the injected crash happened");
+    assert!(!b.join("store/manifest.json").exists(), "no manifest before setup completes");
+    let partial = tree(&b);
+    assert!(partial.iter().any(|(n, _)| n.contains("L004.pack")) && !partial.iter().any(|(n, _)| n.contains("L006.pack.json")));
+    let err = bin().args(["run", "--model"]).arg(b.join("store")).args(["--prompt", "x"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&err.stderr).contains("did not finish"), "{}", String::from_utf8_lossy(&err.stderr));
+    ok(&mut setup(&b));
+    let norm = |t: Vec<(String, Vec<u8>)>, root: &Path| -> Vec<(String, Vec<u8>)> {
+        t.into_iter().map(|(n, d)| (n, String::from_utf8_lossy(&d).replace(&root.display().to_string(), "ROOT").into_bytes())).collect()
+    };
+    assert_eq!(norm(tree(&a), &a), norm(tree(&b), &b), "resumed store differs from an uninterrupted one");
+    ok(bin().args(["doctor", "--verify", "--model"]).arg(b.join("store")));
+    // Run from the store under a budget; stats JSON carries the documented fields.
+    let stats = tmp.path().join("stats.json");
+    let out = ok(bin()
+        .args(["run", "--model"])
+        .arg(b.join("store"))
+        .args(["--ids", PROMPT_IDS, "--max-new", "16", "--print-ids", "--ram-budget", "32M", "--stats-json"])
+        .arg(&stats));
+    assert_eq!(out.trim(), REFERENCE_GREEDY);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+    for f in [
+        "prompt_tokens",
+        "generated_tokens",
+        "ttft_s",
+        "decode_tok_s",
+        "expert_bytes_read",
+        "cache_hit_rate",
+        "read_wait_s",
+        "compute_s",
+        "peak_rss_bytes",
+        "expert_bytes_read_prefill",
+        "expert_bytes_distinct_prefill",
+    ] {
+        assert!(v.get(f).is_some(), "stats JSON lacks {f}");
+    }
+    assert_eq!(v["prompt_tokens"], 27);
+    assert_eq!(v["generated_tokens"], 16);
+    assert!(v["expert_bytes_read"].as_u64().unwrap() > 0);
+    // Doctor notices damage and exits non-zero.
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("store/manifest.json")).unwrap()).unwrap();
+    let e = &m["experts"][0]["copies"][0];
+    let p = PathBuf::from(m["homes"][e["home"].as_u64().unwrap() as usize].as_str().unwrap()).join(e["file"].as_str().unwrap());
+    let mut bytes = std::fs::read(&p).unwrap();
+    let off = e["offset"].as_u64().unwrap() as usize;
+    bytes[off + 7] ^= 1;
+    std::fs::write(&p, bytes).unwrap();
+    let out = bin().args(["doctor", "--verify", "--model"]).arg(b.join("store")).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("corrupt"));
+}

@@ -1,0 +1,176 @@
+//! Streaming from a store gives exactly the ids of the in-RAM path: across RAM budgets from
+//! "everything fits" to the minimum, 1 to 4 homes, page-cache bypass on and off, prefetch on and
+//! off, prompt chunking; and survives failing drives by reading another copy.
+
+use std::path::{Path, PathBuf};
+
+use deltafin_sched::{CacheMode, EngineBuilder, GenerateOptions, LoadedModel};
+use deltafin_store::{setup, ExpertLayoutKind, NoProgress, SetupOptions};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
+}
+
+const PROMPT: &[u32] = &[78, 544, 115, 815, 284, 256, 101, 969, 111, 58, 32, 49, 50, 347, 266];
+const NEW: usize = 12;
+
+fn generate(model: &LoadedModel, on_token: &mut dyn FnMut(usize)) -> Result<Vec<u32>, deltafin_sched::Error> {
+    let mut out = Vec::new();
+    let mut seq = model.new_sequence();
+    model.engine().generate(&mut seq, PROMPT, &GenerateOptions { max_new: NEW, stop_ids: vec![] }, |id| {
+        out.push(id);
+        on_token(out.len());
+        true
+    })?;
+    Ok(out)
+}
+
+fn reference() -> Vec<u32> {
+    generate(&EngineBuilder::new(fixture()).open().unwrap(), &mut |_| {}).unwrap()
+}
+
+fn make_store(dir: &Path, homes: usize, copies: usize, layout: ExpertLayoutKind) -> PathBuf {
+    let out = dir.join("store");
+    let homes: Vec<PathBuf> = (0..homes).map(|h| dir.join(format!("drive{h}"))).collect();
+    for h in &homes {
+        std::fs::create_dir_all(h).unwrap();
+    }
+    setup(&SetupOptions { source: fixture(), out: out.clone(), homes, layout, copies }, &NoProgress).unwrap();
+    out
+}
+
+/// The smallest budget the store accepts (parsed from the error it gives below it).
+fn minimum_budget(store: &Path) -> u64 {
+    let e = EngineBuilder::new(store).ram_budget(Some(1)).open().err().expect("1 byte is too small").to_string();
+    assert!(e.contains("too small") && e.contains("at least"), "{e}");
+    let after = e.split("at least ").nth(1).unwrap();
+    after.split(' ').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn identical_ids_across_budgets_homes_and_cache_modes() {
+    let want = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    for homes in 1..=4 {
+        let store = make_store(&tmp.path().join(format!("h{homes}")), homes, 1, ExpertLayoutKind::Packs);
+        let min = minimum_budget(&store);
+        let expert = 16384u64;
+        for budget in [None, Some(min + 400 * expert), Some(min + 8 * expert), Some(min)] {
+            for mode in [CacheMode::Direct, CacheMode::Buffered] {
+                let prefetch = budget != Some(min + 8 * expert);
+                let model = EngineBuilder::new(&store)
+                    .ram_budget(budget)
+                    .cache_mode(mode)
+                    .prefetch(prefetch)
+                    .prefill_chunk(Some(4))
+                    .open()
+                    .unwrap();
+                let got = generate(&model, &mut |_| {}).unwrap();
+                assert_eq!(got, want, "homes {homes}, budget {budget:?}, {mode:?}");
+                let s = model.engine().experts().stats();
+                assert!(s.bytes_read > 0, "experts were streamed");
+                if let Some(b) = budget {
+                    let plan = model.memory_plan().unwrap();
+                    assert!(
+                        s.cache_peak_bytes <= plan.experts,
+                        "expert buffers {} exceeded their share {} of budget {b}",
+                        s.cache_peak_bytes,
+                        plan.experts
+                    );
+                }
+                if homes > 1 {
+                    assert!(s.per_home.iter().all(|h| h.reads > 0), "every drive served reads: {:?}", s.per_home);
+                }
+            }
+        }
+        assert!(EngineBuilder::new(&store).ram_budget(Some(min - 1)).open().is_err());
+    }
+}
+
+#[test]
+fn in_place_store_matches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = make_store(tmp.path(), 1, 1, ExpertLayoutKind::InPlace);
+    let min = minimum_budget(&store);
+    let model = EngineBuilder::new(&store).ram_budget(Some(min)).open().unwrap();
+    assert_eq!(generate(&model, &mut |_| {}).unwrap(), reference());
+}
+
+#[test]
+fn corrupt_expert_is_an_error_naming_expert_and_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = make_store(tmp.path(), 1, 1, ExpertLayoutKind::Packs);
+    let m = deltafin_store::Manifest::read(&store).unwrap();
+    // Expert 20 of layer 1 is routed by the prompt's first token (fixture reference.json).
+    let e = m.experts.iter().find(|e| e.layer == 1 && e.expert == 20).unwrap();
+    let path = m.copy_path(&e.copies[0]);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[e.copies[0].offset as usize + 100] ^= 0x5a;
+    std::fs::write(&path, bytes).unwrap();
+    let model = EngineBuilder::new(&store).ram_budget(Some(minimum_budget(&store))).open().unwrap();
+    let mut seq = model.new_sequence();
+    let err = model
+        .engine()
+        .forward(&mut seq, PROMPT, deltafin_sched::LogitRows::Last)
+        .err()
+        .expect("corruption must not pass silently")
+        .to_string();
+    assert!(
+        err.contains(&format!("expert 1/{}", e.expert)) && err.contains(&path.display().to_string()) && err.contains("checksum"),
+        "{err}"
+    );
+    // A failed forward leaves the sequence as it was.
+    assert!(seq.ids().is_empty());
+    let r = deltafin_store::doctor(&store, true, &NoProgress).unwrap();
+    assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
+    assert!(r.problems[0].contains("corrupt"));
+}
+
+#[test]
+fn truncated_pack_is_found_by_doctor_and_fails_cleanly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = make_store(tmp.path(), 1, 1, ExpertLayoutKind::Packs);
+    let m = deltafin_store::Manifest::read(&store).unwrap();
+    let path = m.copy_path(&m.experts.iter().find(|e| e.layer == 2).unwrap().copies[0]);
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
+    let r = deltafin_store::doctor(&store, false, &NoProgress).unwrap();
+    assert!(!r.ok() && r.problems.iter().all(|p| p.contains("truncated")), "{:?}", r.problems);
+    let model = EngineBuilder::new(&store).ram_budget(Some(minimum_budget(&store))).open().unwrap();
+    let err = generate(&model, &mut |_| {}).err().expect("a truncated store cannot generate").to_string();
+    assert!(err.contains("no working drive") && err.contains(&path.display().to_string()), "{err}");
+}
+
+#[test]
+fn a_drive_that_disappears_or_fails_mid_run_fails_over() {
+    let want = reference();
+    for failure in ["disappear", "truncate"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = make_store(tmp.path(), 2, 2, ExpertLayoutKind::Packs);
+        let m = deltafin_store::Manifest::read(&store).unwrap();
+        let home1 = m.homes[1].clone();
+        let model = EngineBuilder::new(&store).ram_budget(Some(minimum_budget(&store))).open().unwrap();
+        let got = generate(&model, &mut |n| {
+            if n == 3 {
+                match failure {
+                    "disappear" => std::fs::remove_dir_all(&home1).unwrap(),
+                    _ => {
+                        for e in std::fs::read_dir(home1.join("deltafin-experts")).unwrap() {
+                            for f in std::fs::read_dir(e.unwrap().path()).unwrap() {
+                                let f = f.unwrap().path();
+                                if f.extension().is_some_and(|x| x == "pack") {
+                                    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(0).unwrap();
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        })
+        .unwrap();
+        assert_eq!(got, want, "{failure}");
+        let s = model.engine().experts().stats();
+        assert!(s.per_home[1].errors > 0, "{failure}: the failing drive was noticed: {:?}", s.per_home);
+        assert!(s.per_home[0].reads > 0);
+    }
+}
