@@ -1,1 +1,1 @@
-//! Examples of embedding the Deltafin API.
+//! Programs that embed the Deltafin API; see `embed.rs` (`cargo run --example embed`).

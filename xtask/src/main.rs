@@ -24,6 +24,16 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// The built-in demo: generate a small model, install it over two drives, stream it.
+    Demo {
+        #[arg(long, default_value = "Deltafin streams experts from SSDs, and")]
+        prompt: String,
+        #[arg(long, default_value_t = 32)]
+        max_new: usize,
+        /// RAM budget (well below the model's 187 MB of experts plus its spine).
+        #[arg(long, default_value = "320M")]
+        ram_budget: String,
+    },
     /// Make mlx-lm reference logits for random tiny configs (needs mlx[cpu] + mlx-lm).
     Oracle {
         #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5,6")]
@@ -36,6 +46,7 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::GenK3 { preset, seed, out } => xtask::gen_k3::generate(&preset, seed, &out),
+        Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
         Cmd::Oracle { seeds, tokens } => xtask::oracle::run(&seeds, tokens),
     }
 }

@@ -254,7 +254,7 @@ impl K3Config {
         if cfg.conv_kernel < 1 {
             return Err(unsupported(&la.name("short_conv_kernel_size"), "0", "must be positive"));
         }
-        if !(cfg.rms_norm_eps > 0.0) {
+        if cfg.rms_norm_eps.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(unsupported(&tc.name("rms_norm_eps"), &cfg.rms_norm_eps.to_string(), "must be positive"));
         }
         Ok(cfg)
@@ -272,7 +272,7 @@ impl K3Config {
 
     /// Whether a layer starts an Attention-Residual block.
     pub fn is_block_start(&self, layer: usize) -> bool {
-        layer % self.attn_res_block_size == 0
+        layer.is_multiple_of(self.attn_res_block_size)
     }
 
     /// KDA projection width (heads x head_dim).

@@ -75,23 +75,18 @@ impl Tokenizer {
         }
         let n = bytes_of.len();
         let mut specials: HashMap<String, u32> = HashMap::new();
-        match tokenizer_config {
-            Some(text) => {
-                let v: serde_json::Value =
-                    serde_json::from_str(text).map_err(|e| Error::Tokenizer(format!("tokenizer_config.json: {e}")))?;
-                if let Some(map) = v.get("added_tokens_decoder").and_then(|m| m.as_object()) {
-                    for (id, tok) in map {
-                        let id: u32 =
-                            id.parse().map_err(|_| Error::Tokenizer(format!("tokenizer_config.json: id {id:?} is not a number")))?;
-                        let content = tok
-                            .get("content")
-                            .and_then(|c| c.as_str())
-                            .ok_or_else(|| Error::Tokenizer(format!("tokenizer_config.json: id {id} has no content")))?;
-                        specials.insert(content.to_string(), id);
-                    }
+        if let Some(text) = tokenizer_config {
+            let v: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::Tokenizer(format!("tokenizer_config.json: {e}")))?;
+            if let Some(map) = v.get("added_tokens_decoder").and_then(|m| m.as_object()) {
+                for (id, tok) in map {
+                    let id: u32 = id.parse().map_err(|_| Error::Tokenizer(format!("tokenizer_config.json: id {id:?} is not a number")))?;
+                    let content = tok
+                        .get("content")
+                        .and_then(|c| c.as_str())
+                        .ok_or_else(|| Error::Tokenizer(format!("tokenizer_config.json: id {id} has no content")))?;
+                    specials.insert(content.to_string(), id);
                 }
             }
-            None => {}
         }
         if specials.is_empty() {
             for off in 0..RESERVED {

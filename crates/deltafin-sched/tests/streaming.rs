@@ -112,8 +112,7 @@ fn corrupt_expert_is_an_error_naming_expert_and_file() {
     let err = model
         .engine()
         .forward(&mut seq, PROMPT, deltafin_sched::LogitRows::Last)
-        .err()
-        .expect("corruption must not pass silently")
+        .expect_err("corruption must not pass silently")
         .to_string();
     assert!(
         err.contains(&format!("expert 1/{}", e.expert)) && err.contains(&path.display().to_string()) && err.contains("checksum"),
@@ -137,7 +136,7 @@ fn truncated_pack_is_found_by_doctor_and_fails_cleanly() {
     let r = deltafin_store::doctor(&store, false, &NoProgress).unwrap();
     assert!(!r.ok() && r.problems.iter().all(|p| p.contains("truncated")), "{:?}", r.problems);
     let model = EngineBuilder::new(&store).ram_budget(Some(minimum_budget(&store))).open().unwrap();
-    let err = generate(&model, &mut |_| {}).err().expect("a truncated store cannot generate").to_string();
+    let err = generate(&model, &mut |_| {}).expect_err("a truncated store cannot generate").to_string();
     assert!(err.contains("no working drive") && err.contains(&path.display().to_string()), "{err}");
 }
 

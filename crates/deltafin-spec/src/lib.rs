@@ -1,1 +1,76 @@
-//! placeholder
+//! Speculative decoding for Deltafin: small drafters guess ahead, K3 verifies every guess.
+//!
+//! Exactness rule: a draft token is accepted only if it equals K3's own greedy choice at that
+//! position, computed by the same batch-invariant kernels as plain decoding; the first mismatch
+//! is replaced by K3's choice. Output is therefore identical, token for token, to decoding without
+//! a drafter. This crate holds that rule ([`verify_greedy`]) and the [`Drafter`] interface; the
+//! drafters themselves and the engine integration (rollback of the rejected suffix) come next.
+
+use deltafin_core::Mat;
+
+/// Something that proposes the next tokens after a context.
+pub trait Drafter {
+    /// Up to `n` guessed ids following `context`.
+    fn draft(&mut self, context: &[u32], n: usize) -> Vec<u32>;
+}
+
+/// The outcome of verifying one draft.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// How many draft tokens K3 agreed with.
+    pub accepted: usize,
+    /// K3's own token after the accepted prefix (always produced: a correction or a bonus).
+    pub next: u32,
+}
+
+/// Verifies `draft` against K3's logits. `logits` row `i` holds K3's distribution after the
+/// context plus `draft[..i]` (so `logits.rows == draft.len() + 1`).
+pub fn verify_greedy(draft: &[u32], logits: &Mat) -> Verdict {
+    assert_eq!(logits.rows, draft.len() + 1, "one logits row per draft position plus one");
+    for (i, &d) in draft.iter().enumerate() {
+        let k3 = argmax(logits.row(i));
+        if k3 != d {
+            return Verdict { accepted: i, next: k3 };
+        }
+    }
+    Verdict { accepted: draft.len(), next: argmax(logits.row(draft.len())) }
+}
+
+/// Greedy choice with ties to the lowest id (the same rule as plain decoding).
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one_hot_rows(ids: &[u32], vocab: usize) -> Mat {
+        let mut m = Mat::zeros(ids.len(), vocab);
+        for (r, &id) in ids.iter().enumerate() {
+            m.row_mut(r)[id as usize] = 1.0;
+        }
+        m
+    }
+
+    #[test]
+    fn accepts_the_agreeing_prefix_and_corrects_the_rest() {
+        let k3 = one_hot_rows(&[5, 6, 7, 8], 10);
+        assert_eq!(verify_greedy(&[5, 6, 7], &k3), Verdict { accepted: 3, next: 8 });
+        assert_eq!(verify_greedy(&[5, 9, 7], &k3), Verdict { accepted: 1, next: 6 });
+        assert_eq!(verify_greedy(&[1, 6, 7], &k3), Verdict { accepted: 0, next: 5 });
+        assert_eq!(verify_greedy(&[], &one_hot_rows(&[3], 10)), Verdict { accepted: 0, next: 3 });
+    }
+
+    #[test]
+    fn ties_resolve_like_plain_decoding() {
+        let m = Mat::from_vec(1, 4, vec![0.5, 2.0, 2.0, 1.0]);
+        assert_eq!(verify_greedy(&[], &m).next, 1);
+    }
+}

@@ -1,7 +1,6 @@
 //! RAM for expert bytes: page-aligned buffers (direct I/O needs them) that are counted against
 //! a byte budget from allocation to drop, wherever they travel (cache, channel, engine).
 
-use std::alloc::Layout;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -65,33 +64,37 @@ impl Budget {
     }
 }
 
-/// A zeroed, page-aligned heap buffer whose bytes were reserved from a [`Budget`].
+/// A zeroed, page-aligned buffer whose bytes were reserved from a [`Budget`].
+///
+/// Backed by its own anonymous memory map, so dropping it returns the pages to the system at
+/// once: malloc arenas would keep freed expert-sized chunks and let RSS creep past the budget.
 pub struct AlignedBuf {
     ptr: *mut u8,
     len: usize,
     budget: Arc<Budget>,
 }
 
-// SAFETY: the buffer is uniquely owned heap memory; shared access is read-only via `bytes()`.
+// SAFETY: the mapping is uniquely owned; shared access is read-only via `bytes()`.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: as above: no interior mutability after construction.
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// Allocates `len` bytes (rounded up to the alignment) already reserved in `budget`.
+    /// Maps `len` bytes (rounded up to the alignment) already reserved in `budget`.
     pub fn new_reserved(len: usize, budget: Arc<Budget>) -> AlignedBuf {
-        let len = len.div_ceil(BUF_ALIGN) * BUF_ALIGN;
-        let layout = Layout::from_size_align(len.max(BUF_ALIGN), BUF_ALIGN).expect("valid layout");
-        // SAFETY: non-zero size, valid alignment.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
+        let len = (len.div_ceil(BUF_ALIGN) * BUF_ALIGN).max(BUF_ALIGN);
+        // SAFETY: an anonymous private mapping; failure is checked below.
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if ptr == libc::MAP_FAILED {
+            std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(len, BUF_ALIGN).expect("valid layout"));
         }
-        AlignedBuf { ptr, len, budget }
+        AlignedBuf { ptr: ptr as *mut u8, len, budget }
     }
     /// Bytes counted against the budget for a request of `len`.
     pub fn charge(len: usize) -> u64 {
-        (len.div_ceil(BUF_ALIGN) * BUF_ALIGN) as u64
+        (len.div_ceil(BUF_ALIGN) * BUF_ALIGN).max(BUF_ALIGN) as u64
     }
     /// Writable view (before it is shared).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
@@ -109,9 +112,8 @@ impl ByteOwner for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.len.max(BUF_ALIGN), BUF_ALIGN).expect("valid layout");
-        // SAFETY: allocated in `new_reserved` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, layout) };
+        // SAFETY: mapped in `new_reserved` with this length.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
         self.budget.release(self.len as u64);
     }
 }

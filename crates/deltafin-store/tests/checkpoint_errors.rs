@@ -29,7 +29,7 @@ fn edit_header(dir: &Path, shard: &str, f: impl FnOnce(&mut serde_json::Map<Stri
     let mut h: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     f(h.as_object_mut().unwrap());
     let mut hb = serde_json::to_vec(&h).unwrap();
-    while hb.len() % 8 != 0 {
+    while !hb.len().is_multiple_of(8) {
         hb.push(b' ');
     }
     let mut out = (hb.len() as u64).to_le_bytes().to_vec();

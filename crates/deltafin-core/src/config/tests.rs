@@ -45,7 +45,8 @@ fn missing_fields_are_named() {
 
 #[test]
 fn unsupported_values_are_named_with_value() {
-    let cases: Vec<(Box<dyn Fn(&mut Value)>, &str, &str)> = vec![
+    type Case = (Box<dyn Fn(&mut Value)>, &'static str, &'static str);
+    let cases: Vec<Case> = vec![
         (Box::new(|v| v["text_config"]["hidden_act"] = "silu".into()), "text_config.hidden_act", "silu"),
         (Box::new(|v| v["text_config"]["moe_router_activation_func"] = "softmax".into()), "moe_router_activation_func", "softmax"),
         (Box::new(|v| v["text_config"]["mla_use_nope"] = false.into()), "mla_use_nope", "false"),

@@ -81,7 +81,7 @@ pub struct Mxfp4Matrix<'a> {
 impl<'a> Mxfp4Matrix<'a> {
     /// Checks the byte lengths against `[rows, cols]`.
     pub fn new(rows: usize, cols: usize, packed: &'a [u8], scales: &'a [u8]) -> crate::Result<Self> {
-        if cols % 32 != 0 || packed.len() != rows * cols / 2 || scales.len() != rows * cols / 32 {
+        if !cols.is_multiple_of(32) || packed.len() != rows * cols / 2 || scales.len() != rows * cols / 32 {
             return Err(crate::Error::ExpertLayout(format!(
                 "MXFP4 [{rows}, {cols}] needs {} packed and {} scale bytes, got {} and {}",
                 rows * cols / 2,

@@ -85,7 +85,7 @@ fn real_o200k_rank_file_matches_tiktoken_rs() {
         "don't won't I'm you'll THEY'RE 1234567 3.14159",
         "fn main() {\n    println!(\"{}\", x + 1);\n}\n",
     ] {
-        let want: Vec<u32> = theirs.encode_ordinary(s).into_iter().map(|x| x as u32).collect();
+        let want: Vec<u32> = theirs.encode_ordinary(s).into_iter().collect();
         assert_eq!(ours.encode_ordinary(s), want, "{s:?}");
         assert_eq!(ours.decode(&want), s);
     }

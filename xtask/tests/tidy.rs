@@ -1,0 +1,124 @@
+//! Tidy: the architecture's invariants and the style rules, checked with the suite.
+
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            if !p.ends_with("target") && !p.ends_with("models") && !p.ends_with(".git") {
+                rust_files(&p, out);
+            }
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+fn sources(sub: &str) -> Vec<(PathBuf, String)> {
+    let mut files = Vec::new();
+    rust_files(&root().join(sub), &mut files);
+    files.into_iter().map(|p| (p.clone(), std::fs::read_to_string(&p).unwrap())).collect()
+}
+
+#[test]
+fn every_rust_file_opens_with_a_module_doc_and_stays_short() {
+    let mut bad = Vec::new();
+    for sub in ["crates", "xtask", "examples"] {
+        for (p, text) in sources(sub) {
+            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+            if !first.starts_with("//!") {
+                bad.push(format!("{}: does not start with a `//!` doc", p.display()));
+            }
+            if text.lines().count() > 800 {
+                bad.push(format!("{}: {} lines (keep files under ~800)", p.display(), text.lines().count()));
+            }
+            for (i, l) in text.lines().enumerate() {
+                let banned = [concat!("dbg", "!("), concat!("todo", "!("), concat!("unimplemented", "!(")];
+                if banned.iter().any(|b| l.contains(b)) {
+                    bad.push(format!("{}:{}: stray debugging or unfinished code", p.display(), i + 1));
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+fn non_test_sources(krate: &str) -> Vec<(PathBuf, String)> {
+    sources(&format!("crates/{krate}/src"))
+        .into_iter()
+        .filter(|(p, _)| !p.ends_with("tests.rs") && !p.to_string_lossy().contains("/tests/"))
+        .collect()
+}
+
+#[test]
+fn crate_boundaries_hold() {
+    let mut bad = Vec::new();
+    // deltafin-core: pure computation, no file or network I/O.
+    for (p, text) in non_test_sources("deltafin-core") {
+        for needle in ["std::fs", "File::", "std::net", "memmap2", "OpenOptions"] {
+            if text.contains(needle) {
+                bad.push(format!("{}: deltafin-core does no I/O but mentions {needle}", p.display()));
+            }
+        }
+    }
+    // deltafin-sched: decides order, never touches files itself (the store does).
+    for (p, text) in non_test_sources("deltafin-sched") {
+        for needle in ["std::fs", "File::", "OpenOptions", "std::net"] {
+            if text.contains(needle) {
+                bad.push(format!("{}: deltafin-sched must leave file access to deltafin-store ({needle})", p.display()));
+            }
+        }
+    }
+    // Only the server knows HTTP.
+    for krate in ["deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-cli"] {
+        let manifest = std::fs::read_to_string(root().join(format!("crates/{krate}/Cargo.toml"))).unwrap();
+        for dep in ["axum", "hyper", "tokio"] {
+            if manifest
+                .lines()
+                .any(|l| l.starts_with(&format!("{dep} ")) || l.starts_with(&format!("{dep}.")) || l.starts_with(&format!("{dep}=")))
+            {
+                bad.push(format!("{krate} depends on {dep}: only deltafin-server speaks HTTP"));
+            }
+        }
+    }
+    // Library crates use their own error enums; anyhow only in binaries and xtask.
+    for krate in ["deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-server"] {
+        let manifest = std::fs::read_to_string(root().join(format!("crates/{krate}/Cargo.toml"))).unwrap();
+        let deps = manifest.split("[dependencies]").nth(1).unwrap_or("").split("\n[").next().unwrap_or("");
+        if deps.lines().any(|l| l.starts_with("anyhow")) {
+            bad.push(format!("{krate} is a library and must not depend on anyhow"));
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+#[test]
+fn manifests_and_docs_cover_every_crate() {
+    let arch = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let ci = std::fs::read_to_string(root().join(".ci/run")).unwrap();
+    let mut bad = Vec::new();
+    for e in std::fs::read_dir(root().join("crates")).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        if !arch.contains(&format!("`{name}`")) {
+            bad.push(format!("ARCHITECTURE.md does not describe `{name}`"));
+        }
+        let manifest = std::fs::read_to_string(root().join(format!("crates/{name}/Cargo.toml"))).unwrap();
+        for key in ["version.workspace = true", "publish.workspace = true", "[lints]"] {
+            if !manifest.contains(key) {
+                bad.push(format!("crates/{name}/Cargo.toml lacks `{key}`"));
+            }
+        }
+    }
+    // The README's test command is the one CI runs.
+    let test_cmd = readme.lines().find(|l| l.starts_with("cargo test")).expect("README shows a `cargo test` command");
+    if !ci.contains(test_cmd.trim()) {
+        bad.push(format!(".ci/run does not run the README's test command `{test_cmd}`"));
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
