@@ -114,7 +114,31 @@ impl Preset {
                 bpe_ranks: 16384,
                 shard_bytes: 1 << 30,
             },
-            other => bail!("unknown preset {other:?}: use tiny, rand, small or slice"),
+            // Real expert size, small enough to replicate on four emulated drives (drive ladder).
+            "slice-mini" => Preset {
+                name: "slice-mini",
+                hidden: 1024,
+                layers: 4,
+                mla_layers: vec![4],
+                block: 2,
+                kda_heads: 8,
+                kda_dim: 64,
+                mla_heads: 8,
+                q_lora: 256,
+                kv_lora: 256,
+                nope: 64,
+                rope: 32,
+                v_dim: 64,
+                experts: 16,
+                top_k: 4,
+                shared: 1,
+                moe_inter: 3072,
+                latent: 3584,
+                dense_inter: 2048,
+                bpe_ranks: 8192,
+                shard_bytes: 1 << 30,
+            },
+            other => bail!("unknown preset {other:?}: use tiny, rand, small, slice or slice-mini"),
         })
     }
 

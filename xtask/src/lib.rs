@@ -1,6 +1,7 @@
 //! Library half of `cargo xtask`, so tests can generate the same models the command writes.
 #![recursion_limit = "256"]
 
+pub mod bench;
 pub mod demo;
 pub mod gen_k3;
 pub mod oracle;

@@ -34,6 +34,17 @@ enum Cmd {
         #[arg(long, default_value = "320M")]
         ram_budget: String,
     },
+    /// Benchmarks on generated slice models; updates docs/BENCHMARKS.md.
+    Bench {
+        #[arg(value_enum, default_value = "all")]
+        which: xtask::bench::Which,
+        /// A short version of each benchmark (under 3 minutes).
+        #[arg(long)]
+        quick: bool,
+        /// Also write machine-readable results here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Make mlx-lm reference logits for random tiny configs (needs mlx[cpu] + mlx-lm).
     Oracle {
         #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5,6")]
@@ -47,6 +58,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::GenK3 { preset, seed, out } => xtask::gen_k3::generate(&preset, seed, &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
+        Cmd::Bench { which, quick, json } => xtask::bench::run(which, quick, json.as_deref()),
         Cmd::Oracle { seeds, tokens } => xtask::oracle::run(&seeds, tokens),
     }
 }

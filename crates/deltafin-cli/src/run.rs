@@ -20,9 +20,9 @@ pub struct ModelArgs {
     /// Most prompt tokens per forward pass (no effect on output).
     #[arg(long)]
     pub prefill_chunk: Option<usize>,
-    /// Turn off next-layer expert prefetch (no effect on output).
+    /// Prefetch next-layer experts guessed by running the next router early (no effect on output).
     #[arg(long)]
-    pub no_prefetch: bool,
+    pub prefetch: bool,
     /// Bound on everything the engine holds (spine, expert cache, buffers, state), e.g. 2G.
     #[arg(long, value_parser = crate::store_cmds::parse_size)]
     pub ram_budget: Option<u64>,
@@ -32,6 +32,9 @@ pub struct ModelArgs {
     /// Concurrent expert reads per drive.
     #[arg(long, default_value_t = 4)]
     pub queue_depth: usize,
+    /// Expert cache eviction: `next-use` (furthest next use first) or `lru`.
+    #[arg(long, default_value = "next-use", value_parser = ["next-use", "lru"])]
+    pub cache_policy: String,
     /// Keep the hottest experts of past runs pinned in RAM, up to this size (within the budget).
     #[arg(long, value_parser = crate::store_cmds::parse_size)]
     pub pin: Option<u64>,
@@ -42,11 +45,12 @@ impl ModelArgs {
         EngineBuilder::new(&self.model)
             .context(self.context)
             .prefill_chunk(self.prefill_chunk)
-            .prefetch(!self.no_prefetch)
+            .prefetch(self.prefetch)
             .ram_budget(self.ram_budget)
             .cache_mode(if self.page_cache { deltafin_sched::CacheMode::Buffered } else { deltafin_sched::CacheMode::Direct })
             .queue_depth(self.queue_depth)
             .pin_bytes(self.pin.unwrap_or(0))
+            .cache_policy(if self.cache_policy == "lru" { deltafin_sched::CachePolicy::Lru } else { deltafin_sched::CachePolicy::NextUse })
             .open()
             .with_context(|| format!("opening model {}", self.model.display()))
     }

@@ -21,13 +21,15 @@ use crate::stats::{peak_rss_bytes, Stats};
 pub struct EngineOptions {
     /// Most prompt tokens per forward pass (memory bound); `None` = the whole prompt at once.
     pub prefill_chunk: Option<usize>,
-    /// Run the next layer's router on the current hidden state and prefetch its experts.
+    /// Run the next layer's router on the current hidden state and prefetch its experts during
+    /// decode. Off by default: on one drive the wrong guesses cost more bandwidth than the right
+    /// ones save (measure with `cargo xtask bench decode`).
     pub prefetch: bool,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { prefill_chunk: None, prefetch: true }
+        EngineOptions { prefill_chunk: None, prefetch: false }
     }
 }
 

@@ -28,7 +28,7 @@ mod open;
 mod sequence;
 mod stats;
 
-pub use deltafin_store::CacheMode;
+pub use deltafin_store::{CacheMode, CachePolicy};
 
 pub use crate::{
     engine::{argmax, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows},

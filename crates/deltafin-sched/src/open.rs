@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deltafin_core::{ChatFormat, K3Config, Model, Tokenizer, K3_PATTERN};
-use deltafin_store::{CacheMode, Checkpoint, Error as StoreError, ExpertSource, MappedExperts, ReaderOptions, Store, StreamingExperts};
+use deltafin_store::{
+    CacheMode, CachePolicy, Checkpoint, Error as StoreError, ExpertSource, MappedExperts, ReaderOptions, Store, StreamingExperts,
+};
 
 use crate::engine::{Engine, EngineOptions};
 use crate::error::Result;
@@ -30,6 +32,7 @@ pub struct EngineBuilder {
     cache_mode: CacheMode,
     queue_depth: usize,
     pin_bytes: u64,
+    policy: CachePolicy,
 }
 
 /// Where the RAM budget goes, in bytes.
@@ -53,6 +56,7 @@ impl EngineBuilder {
             cache_mode: CacheMode::Direct,
             queue_depth: 4,
             pin_bytes: 0,
+            policy: CachePolicy::NextUse,
         }
     }
     /// Prefetch next-layer experts guessed by the router (no effect on output).
@@ -83,6 +87,11 @@ impl EngineBuilder {
     /// Concurrent reads per drive.
     pub fn queue_depth(mut self, n: usize) -> Self {
         self.queue_depth = n.max(1);
+        self
+    }
+    /// Expert cache eviction policy (no effect on output).
+    pub fn cache_policy(mut self, policy: CachePolicy) -> Self {
+        self.policy = policy;
         self
     }
     /// Bytes of the hottest experts (from the store's heat history) to keep pinned in RAM.
@@ -186,6 +195,7 @@ impl EngineBuilder {
             cache_mode: self.cache_mode,
             expert_budget: plan.experts,
             pinned,
+            policy: self.policy,
         })?;
         let model = Model::load(cfg, &store)?;
         let store = Arc::new(store);

@@ -31,9 +31,9 @@ pub use crate::{
     error::{Error, Result},
     manifest::{checksum, Copy, ExpertEntry, Manifest, SpineTensor, ALIGN},
     memory::{AlignedBuf, Budget, BUF_ALIGN},
-    reader::CacheMode,
+    reader::{aligned_window, open_for_read, read_aligned, CacheMode},
     setup::{assign_homes, drop_cache, setup, ExpertLayoutKind, LocalFiles, NoProgress, Progress, SetupOptions, SpanSource},
     source::{Delivery, ExpertSource, HomeStats, MappedExperts, Priority, SourceStats},
     store::Store,
-    streaming::{ReaderOptions, StreamingExperts},
+    streaming::{CachePolicy, ReaderOptions, StreamingExperts},
 };

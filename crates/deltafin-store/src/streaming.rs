@@ -35,6 +35,18 @@ pub struct ReaderOptions {
     pub expert_budget: u64,
     /// Experts never evicted (a hot tier), loaded at start.
     pub pinned: Vec<(usize, u32)>,
+    /// Which cached expert to drop first.
+    pub policy: CachePolicy,
+}
+
+/// Eviction policy of the expert cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CachePolicy {
+    /// Least recently used first.
+    Lru,
+    /// Needed furthest in the future first: decode walks the layers in a cycle, so the experts of
+    /// the layer just computed are the last to be needed again (Belady's rule for this pattern).
+    NextUse,
 }
 
 struct CacheEntry {
@@ -78,6 +90,8 @@ struct State {
     inflight: HashMap<Key, Inflight>,
     homes: Vec<Home>,
     clock: u64,
+    /// Layer of the latest demand request (where the engine is).
+    current_layer: usize,
     stats: SourceStats,
     shutdown: bool,
 }
@@ -87,6 +101,8 @@ struct Inner {
     index: HashMap<Key, usize>,
     layouts: HashMap<usize, ExpertLayout>,
     shape: ExpertShape,
+    /// One past the highest MoE layer index.
+    layer_count: usize,
     opts: ReaderOptions,
     budget: Arc<Budget>,
     state: Mutex<State>,
@@ -127,7 +143,9 @@ impl StreamingExperts {
                 prefetch: VecDeque::new(),
             })
             .collect();
+        let layer_count = manifest.layouts.iter().map(|(l, _)| l + 1).max().unwrap_or(1);
         let inner = Arc::new(Inner {
+            layer_count,
             budget: Budget::new(opts.expert_budget),
             manifest,
             index,
@@ -139,6 +157,7 @@ impl StreamingExperts {
                 inflight: HashMap::new(),
                 homes,
                 clock: 0,
+                current_layer: 0,
                 stats: SourceStats::default(),
                 shutdown: false,
             }),
@@ -279,7 +298,25 @@ impl Inner {
 
     /// Makes room for `n` bytes: evicts least recently used entries (for a prefetch, only
     /// entries not used in the current step) and, for demand, waits for buffers to be dropped.
-    fn reserve(&self, n: u64, priority: Priority) -> bool {
+    /// How soon an expert of `layer` will be needed again, in layers, when the engine is at
+    /// `current`: later layers of this token first, then this token's earlier layers next token.
+    fn next_use(&self, layer: usize, current: usize) -> usize {
+        if layer > current {
+            layer - current
+        } else {
+            self.layer_count - current + layer
+        }
+    }
+
+    /// Eviction order: larger is evicted first.
+    fn evict_rank(&self, key: Key, c: &CacheEntry, current: usize) -> (usize, u64) {
+        match self.opts.policy {
+            CachePolicy::Lru => (0, u64::MAX - c.last_use),
+            CachePolicy::NextUse => (self.next_use(key.0, current), u64::MAX - c.last_use),
+        }
+    }
+
+    fn reserve(&self, n: u64, key: Key, priority: Priority) -> bool {
         loop {
             if self.budget.try_reserve(n) {
                 return true;
@@ -289,12 +326,28 @@ impl Inner {
                 if st.shutdown {
                     return false;
                 }
+                let current = st.current_layer;
+                let incoming = self.evict_rank(
+                    key,
+                    &CacheEntry { bytes: Bytes::from_vec(Vec::new()), last_use: u64::MAX, unused_prefetch: true, pinned: false },
+                    current,
+                );
                 let victim = st
                     .cache
                     .iter()
-                    // A guess may only displace other unused guesses, never what demand put there.
-                    .filter(|(_, c)| !c.pinned && (priority == Priority::Demand || c.unused_prefetch))
-                    .min_by_key(|(_, c)| c.last_use)
+                    .filter(|(k, c)| {
+                        !c.pinned
+                            && match priority {
+                                Priority::Demand => true,
+                                // A guess displaces only what is needed later than itself
+                                // (LRU: only other unused guesses).
+                                Priority::Prefetch => match self.opts.policy {
+                                    CachePolicy::Lru => c.unused_prefetch,
+                                    CachePolicy::NextUse => self.evict_rank(**k, c, current).0 > incoming.0,
+                                },
+                            }
+                    })
+                    .max_by_key(|(k, c)| self.evict_rank(**k, c, current))
                     .map(|(k, _)| *k);
                 match victim {
                     Some(k) => {
@@ -316,7 +369,7 @@ impl Inner {
         let e = self.entry(key);
         let c = &e.copies[copy];
         let (start, end) = aligned_window(c.offset, e.len);
-        if !self.reserve(AlignedBuf::charge((end - start) as usize), priority) {
+        if !self.reserve(AlignedBuf::charge((end - start) as usize), key, priority) {
             return Err(ReadFail::Cancelled);
         }
         let mut buf = AlignedBuf::new_reserved((end - start) as usize, self.budget.clone());
@@ -431,6 +484,9 @@ impl ExpertSource for StreamingExperts {
         let inner = &self.inner;
         let mut st = inner.state.lock().expect("poisoned");
         st.clock += 1;
+        if priority == Priority::Demand {
+            st.current_layer = layer;
+        }
         // Stale guesses: queued prefetches of this layer that were not demanded.
         let stale: Vec<Key> = st
             .inflight

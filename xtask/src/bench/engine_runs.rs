@@ -1,0 +1,173 @@
+//! Decode and prefill measured through the engine on a store, each configuration repeated so the
+//! report can show min / median / max (the machine is noisy).
+
+use std::path::Path;
+
+use anyhow::Result;
+use deltafin_sched::{CachePolicy, EngineBuilder, GenerateOptions, Stats};
+
+/// Prompt ids spread over the vocabulary, deterministic.
+pub fn prompt(n: usize, vocab: u32) -> Vec<u32> {
+    crate::oracle::prompt_ids(7, n, vocab as u64)
+}
+
+/// One engine configuration.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub label: String,
+    pub budget: u64,
+    pub prefetch: bool,
+    pub policy: CachePolicy,
+    pub chunk: Option<usize>,
+}
+
+/// One measured generation.
+pub fn generate(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize) -> Result<(Vec<u32>, Stats)> {
+    let model = EngineBuilder::new(store)
+        .ram_budget(Some(cfg.budget))
+        .prefetch(cfg.prefetch)
+        .cache_policy(cfg.policy)
+        .prefill_chunk(cfg.chunk)
+        .context(prompt.len() + new + 8)
+        .open()?;
+    let mut ids = Vec::new();
+    let mut seq = model.new_sequence();
+    let stats = model.engine().generate(&mut seq, prompt, &GenerateOptions { max_new: new, stop_ids: vec![] }, |id| {
+        ids.push(id);
+        true
+    })?;
+    Ok((ids, stats))
+}
+
+/// min, median, max.
+pub fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    (s[0], s[s.len() / 2], s[s.len() - 1])
+}
+
+/// Per-configuration decode summary.
+#[derive(Clone, Debug)]
+pub struct DecodeResult {
+    pub label: String,
+    pub tok_s: Vec<f64>,
+    pub bytes_per_token: f64,
+    pub hit_rate: f64,
+    pub read_wait_s: f64,
+    pub compute_s: f64,
+    /// Expert bytes read during decode / decode time.
+    pub read_bytes_per_s: f64,
+    pub prefetch_used: u64,
+    pub prefetch_issued: u64,
+    pub prefetch_wasted_bytes: u64,
+    pub ids_equal: bool,
+}
+
+pub fn decode(store: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec<DecodeResult>> {
+    let (new, repeats) = if quick { (6, 2) } else { (16, 3) };
+    let p = prompt(8, vocab);
+    let configs = [
+        RunConfig { label: "next-use".into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk: None },
+        RunConfig { label: "next-use+prefetch".into(), budget, prefetch: true, policy: CachePolicy::NextUse, chunk: None },
+        RunConfig { label: "lru".into(), budget, prefetch: false, policy: CachePolicy::Lru, chunk: None },
+    ];
+    let mut reference: Option<Vec<u32>> = None;
+    let mut out = Vec::new();
+    for c in &configs {
+        let mut r = DecodeResult {
+            label: c.label.clone(),
+            tok_s: vec![],
+            bytes_per_token: 0.0,
+            hit_rate: 0.0,
+            read_wait_s: 0.0,
+            compute_s: 0.0,
+            read_bytes_per_s: 0.0,
+            prefetch_used: 0,
+            prefetch_issued: 0,
+            prefetch_wasted_bytes: 0,
+            ids_equal: true,
+        };
+        for _ in 0..repeats {
+            let (ids, s) = generate(store, c, &p, new)?;
+            match &reference {
+                None => reference = Some(ids),
+                Some(want) => r.ids_equal &= *want == ids,
+            }
+            let decode_time = (s.generated_tokens - 1) as f64 / s.decode_tok_s.max(1e-9);
+            r.tok_s.push(s.decode_tok_s);
+            r.bytes_per_token = s.bytes_per_token;
+            r.hit_rate = s.cache_hit_rate;
+            r.read_wait_s = s.read_wait_s;
+            r.compute_s = s.compute_s;
+            r.read_bytes_per_s = (s.expert_bytes_read - s.expert_bytes_read_prefill) as f64 / decode_time;
+            r.prefetch_used = s.prefetch_used;
+            r.prefetch_issued = s.prefetch_issued;
+            r.prefetch_wasted_bytes = s.prefetch_wasted_bytes;
+        }
+        eprintln!("decode {}: {:?} tok/s, {:.0} MB/token, hit {:.1}%", c.label, r.tok_s, r.bytes_per_token / 1e6, 100.0 * r.hit_rate);
+        out.push(r);
+    }
+    Ok(out)
+}
+
+/// Per-prompt-length prefill summary.
+#[derive(Clone, Debug)]
+pub struct PrefillResult {
+    pub tokens: usize,
+    pub schedule: String,
+    pub ttft_s: Vec<f64>,
+    pub amplification: f64,
+    pub bytes_read: u64,
+    pub distinct_bytes: u64,
+    pub ids_equal: bool,
+}
+
+pub fn prefill(store: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec<PrefillResult>> {
+    let lengths: &[usize] = if quick { &[64] } else { &[64, 256, 512] };
+    let repeats = if quick { 1 } else { 2 };
+    let mut out = Vec::new();
+    for &n in lengths {
+        let p = prompt(n, vocab);
+        // Expert-major (whole prompt), the upstream engine's 64-token chunks, and (for the
+        // shortest prompt) token by token.
+        let mut schedules = vec![("expert-major", None), ("64-token chunks", Some(64))];
+        if n == lengths[0] {
+            schedules.push(("token by token", Some(1)));
+        }
+        let mut want: Option<Vec<u32>> = None;
+        // Amplification is against the distinct experts the *whole* prompt routes per layer,
+        // which the expert-major pass (first) measures.
+        let mut distinct: Option<u64> = None;
+        for (name, chunk) in schedules {
+            if chunk == Some(64) && n <= 64 {
+                continue;
+            }
+            let c = RunConfig { label: name.into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk };
+            let mut r = PrefillResult {
+                tokens: n,
+                schedule: name.into(),
+                ttft_s: vec![],
+                amplification: 0.0,
+                bytes_read: 0,
+                distinct_bytes: 0,
+                ids_equal: true,
+            };
+            let reps = if chunk == Some(1) { 1 } else { repeats };
+            for _ in 0..reps {
+                let (ids, s) = generate(store, &c, &p, 1)?;
+                match &want {
+                    None => want = Some(ids),
+                    Some(w) => r.ids_equal &= *w == ids,
+                }
+                r.ttft_s.push(s.ttft_s);
+                r.bytes_read = s.expert_bytes_read_prefill;
+                let d = *distinct.get_or_insert(s.expert_bytes_distinct_prefill);
+                r.distinct_bytes = d;
+                r.amplification = s.expert_bytes_read_prefill as f64 / d.max(1) as f64;
+            }
+            eprintln!("prefill {n} tokens, {name}: TTFT {:?} s, amplification {:.2}", r.ttft_s, r.amplification);
+            out.push(r);
+        }
+    }
+    Ok(out)
+}

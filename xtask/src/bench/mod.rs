@@ -1,0 +1,227 @@
+//! `cargo xtask bench`: measured speed on generated `slice` models (real K3 expert size, several
+//! GB, larger than the RAM budget used), written as JSON, a markdown table and SVG plots into
+//! `docs/BENCHMARKS.md`, each result beside the exact command that produced it.
+//!
+//! Ratios are measured within one run (the disk changes speed minute to minute); repeated
+//! configurations report min / median / max.
+
+mod device;
+mod engine_runs;
+mod ladder;
+mod svg;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde_json::json;
+
+/// Which benchmark to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Which {
+    Device,
+    Decode,
+    Prefill,
+    Ladder,
+    All,
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn ensure_model(preset: &str) -> Result<(PathBuf, PathBuf)> {
+    let models = root().join("models");
+    let ckpt = models.join(preset);
+    if !ckpt.join("config.json").exists() {
+        crate::gen_k3::generate(preset, 0, &ckpt)?;
+    }
+    let store = models.join(format!("{preset}-store"));
+    if !store.join("manifest.json").exists() {
+        deltafin_store::setup(
+            &deltafin_store::SetupOptions {
+                source: ckpt.clone(),
+                out: store.clone(),
+                homes: vec![],
+                layout: deltafin_store::ExpertLayoutKind::Packs,
+                copies: 1,
+            },
+            &deltafin_store::NoProgress,
+        )?;
+    }
+    Ok((ckpt, store))
+}
+
+fn build_cli() -> Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let st = std::process::Command::new(cargo).current_dir(root()).args(["build", "--release", "-q", "-p", "deltafin-cli"]).status()?;
+    anyhow::ensure!(st.success(), "building deltafin failed");
+    Ok(root().join("target/release/deltafin"))
+}
+
+fn mb(x: f64) -> f64 {
+    x / 1e6
+}
+
+/// Runs `which` and updates the report.
+pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
+    let docs = root().join("docs");
+    let bench_dir = docs.join("bench");
+    std::fs::create_dir_all(&bench_dir)?;
+    let q = if quick { " --quick" } else { "" };
+    let mut json = serde_json::Map::new();
+    let budget: u64 = 1_500_000_000;
+    let need_slice = matches!(which, Which::Device | Which::Decode | Which::Prefill | Which::All);
+    let (_, store) = if need_slice { ensure_model("slice")? } else { (PathBuf::new(), PathBuf::new()) };
+    let vocab = 16384;
+    let mut device_limit = None;
+    if matches!(which, Which::Device | Which::Decode | Which::All) {
+        let d = device::run(&store, quick)?;
+        let limit = d.iter().find(|r| r.queue_depth == 4).map(|r| r.bytes_per_s).unwrap_or(0.0);
+        device_limit = Some(limit);
+        let mut md = format!("## Device limit\n\n`cargo xtask bench device{q}` — expert-sized (17.5 MB) `O_DIRECT` reads from the store's pack file, no model.\n\n| queue depth | MB/s |\n|---|---|\n");
+        for r in &d {
+            writeln!(md, "| {} | {:.0} |", r.queue_depth, mb(r.bytes_per_s))?;
+        }
+        let labels: Vec<String> = d.iter().map(|r| format!("QD {}", r.queue_depth)).collect();
+        std::fs::write(
+            bench_dir.join("device.svg"),
+            svg::bars("Direct expert reads", "MB/s", &labels, &[("MB/s", d.iter().map(|r| mb(r.bytes_per_s)).collect())]),
+        )?;
+        md += "\n![device](bench/device.svg)\n";
+        std::fs::write(bench_dir.join("device.md"), md)?;
+        json.insert(
+            "device".into(),
+            json!(d.iter().map(|r| json!({"queue_depth": r.queue_depth, "bytes_per_s": r.bytes_per_s})).collect::<Vec<_>>()),
+        );
+    }
+    if matches!(which, Which::Decode | Which::All) {
+        let limit = device_limit.unwrap_or(1.0);
+        let d = engine_runs::decode(&store, vocab, budget, quick)?;
+        let mut md = format!(
+            "## Decode\n\n`cargo xtask bench decode{q}` — `slice` store (4.2 GB of experts), RAM budget {:.1} GB, 8-token prompt. Device limit in the same run: {:.0} MB/s (QD 4).\n\n| config | tok/s min / median / max | MB/token | hit rate | read wait s | compute s | read MB/s | of device limit | prefetch used/issued | prefetch wasted MB | ids equal |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            budget as f64 / 1e9,
+            mb(limit)
+        );
+        for r in &d {
+            let (a, b, c) = engine_runs::spread(&r.tok_s);
+            writeln!(
+                md,
+                "| {} | {a:.2} / {b:.2} / {c:.2} | {:.0} | {:.1}% | {:.2} | {:.2} | {:.0} | {:.0}% | {}/{} | {:.0} | {} |",
+                r.label,
+                mb(r.bytes_per_token),
+                100.0 * r.hit_rate,
+                r.read_wait_s,
+                r.compute_s,
+                mb(r.read_bytes_per_s),
+                100.0 * r.read_bytes_per_s / limit,
+                r.prefetch_used,
+                r.prefetch_issued,
+                mb(r.prefetch_wasted_bytes as f64),
+                r.ids_equal
+            )?;
+        }
+        let labels: Vec<String> = d.iter().map(|r| r.label.clone()).collect();
+        std::fs::write(
+            bench_dir.join("decode.svg"),
+            svg::bars("Decode (median)", "tok/s", &labels, &[("tok/s", d.iter().map(|r| engine_runs::spread(&r.tok_s).1).collect())]),
+        )?;
+        md += "\n![decode](bench/decode.svg)\n";
+        std::fs::write(bench_dir.join("decode.md"), md)?;
+        json.insert(
+            "decode".into(),
+            json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_fraction": r.read_bytes_per_s / limit, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
+        );
+    }
+    if matches!(which, Which::Prefill | Which::All) {
+        let p = engine_runs::prefill(&store, vocab, budget, quick)?;
+        let mut md = format!("## Prefill\n\n`cargo xtask bench prefill{q}` — `slice` store, RAM budget {:.1} GB (far below the 4.2 GB of experts). Amplification = expert bytes read during prefill / bytes of the distinct experts the whole prompt routes per layer.\n\n| prompt tokens | schedule | TTFT s (min / median / max) | read GB | amplification | same first token |\n|---|---|---|---|---|---|\n", budget as f64 / 1e9);
+        for r in &p {
+            let (a, b, c) = engine_runs::spread(&r.ttft_s);
+            writeln!(
+                md,
+                "| {} | {} | {a:.1} / {b:.1} / {c:.1} | {:.2} | {:.2} | {} |",
+                r.tokens,
+                r.schedule,
+                r.bytes_read as f64 / 1e9,
+                r.amplification,
+                r.ids_equal
+            )?;
+        }
+        let labels: Vec<String> = p.iter().map(|r| format!("{} {}", r.tokens, r.schedule)).collect();
+        std::fs::write(
+            bench_dir.join("prefill.svg"),
+            svg::bars(
+                "Prefill time to first token (median)",
+                "s",
+                &labels,
+                &[("TTFT s", p.iter().map(|r| engine_runs::spread(&r.ttft_s).1).collect())],
+            ),
+        )?;
+        md += "\n![prefill](bench/prefill.svg)\n";
+        std::fs::write(bench_dir.join("prefill.md"), md)?;
+        json.insert("prefill".into(), json!(p.iter().map(|r| json!({"tokens": r.tokens, "schedule": r.schedule, "ttft_s": r.ttft_s, "bytes_read": r.bytes_read, "distinct_bytes": r.distinct_bytes, "amplification": r.amplification, "ids_equal": r.ids_equal})).collect::<Vec<_>>()));
+    }
+    if matches!(which, Which::Ladder | Which::All) {
+        let (ckpt, _) = ensure_model("slice-mini")?;
+        let bin = build_cli()?;
+        match ladder::run(&bin, &ckpt, &root().join("models/ladder"), quick, "700M") {
+            Ok(rungs) => {
+                let mut md = format!("## Drive ladder\n\n`cargo xtask bench ladder{q}` — `slice-mini` (real expert size), every drive a loop device capped by the cgroup v1 blkio throttle, every expert on every drive, RAM budget 700 MB. Ideal = sum of the drives' caps / measured expert bytes per token.\n\n| profile | drives | caps MB/s | tok/s | ideal tok/s | efficiency | MB/token | MB read per drive |\n|---|---|---|---|---|---|---|---|\n");
+                for r in &rungs {
+                    writeln!(
+                        md,
+                        "| {} | {} | {} | {:.3} | {:.3} | {:.0}% | {:.0} | {} |",
+                        r.profile,
+                        r.drives,
+                        r.rates.iter().map(|x| format!("{:.0}", mb(*x))).collect::<Vec<_>>().join(" / "),
+                        r.tok_s,
+                        r.ideal,
+                        100.0 * r.efficiency,
+                        mb(r.bytes_per_token),
+                        r.per_drive_bytes.iter().map(|x| format!("{:.0}", mb(*x as f64))).collect::<Vec<_>>().join(" / ")
+                    )?;
+                }
+                let labels: Vec<String> = (1..=4).map(|n| format!("{n} drive(s)")).collect();
+                let eff = |p: &str| rungs.iter().filter(|r| r.profile.starts_with(p)).map(|r| 100.0 * r.efficiency).collect::<Vec<_>>();
+                std::fs::write(
+                    bench_dir.join("ladder.svg"),
+                    svg::bars(
+                        "Drive ladder: efficiency vs ideal",
+                        "% of ideal",
+                        &labels,
+                        &[("equal", eff("equal")), ("unequal", eff("unequal"))],
+                    ),
+                )?;
+                md += "\n![ladder](bench/ladder.svg)\n";
+                std::fs::write(bench_dir.join("ladder.md"), md)?;
+                json.insert("ladder".into(), json!(rungs.iter().map(|r| json!({"profile": r.profile, "drives": r.drives, "tok_s": r.tok_s, "ideal": r.ideal, "efficiency": r.efficiency, "bytes_per_token": r.bytes_per_token})).collect::<Vec<_>>()));
+            }
+            Err(e) => {
+                eprintln!("ladder skipped: {e:#}");
+                std::fs::write(
+                    bench_dir.join("ladder.md"),
+                    format!("## Drive ladder\n\n`cargo xtask bench ladder{q}` did not run on the last machine: {e:#}\n"),
+                )?;
+            }
+        }
+    }
+    // Assemble the report from whatever sections exist.
+    let mut report = String::from("# Benchmarks\n\nEvery number below was produced by the command shown beside it (`cargo xtask bench ...`) on the development machine (2 Zen 5 cores, one noisy virtio disk; see `shared/BENCH-MACHINE.md`). Compare ratios within one section: the disk changes speed from minute to minute.\n\n");
+    for s in ["device", "decode", "prefill", "ladder"] {
+        if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
+            report += &t;
+            report.push('\n');
+        }
+    }
+    std::fs::write(docs.join("BENCHMARKS.md"), report)?;
+    let all = serde_json::Value::Object(json);
+    std::fs::write(bench_dir.join(format!("{}.json", format!("{which:?}").to_lowercase())), serde_json::to_vec_pretty(&all)?)?;
+    if let Some(p) = json_out {
+        // For `ladder --json`, the file is the list of rungs.
+        let v = if which == Which::Ladder { all.get("ladder").cloned().unwrap_or(json!([])) } else { all };
+        std::fs::write(p, serde_json::to_vec_pretty(&v)?).with_context(|| format!("writing {}", p.display()))?;
+    }
+    eprintln!("updated {}", docs.join("BENCHMARKS.md").display());
+    Ok(())
+}
