@@ -1,6 +1,7 @@
 //! `deltafin`: the command-line front end over the `deltafin-sched` API.
 
 mod run;
+mod serve;
 mod store_cmds;
 
 use anyhow::Result;
@@ -23,6 +24,10 @@ enum Cmd {
     Setup(store_cmds::SetupArgs),
     /// Check a store against its manifest (--verify reads every expert).
     Doctor(store_cmds::DoctorArgs),
+    /// Serve an OpenAI-compatible API (loopback by default).
+    Serve(serve::ServeArgs),
+    /// Chat in the terminal (streaming, history, Ctrl-C stops a reply).
+    Chat(serve::ChatArgs),
 }
 
 fn main() {
@@ -32,6 +37,8 @@ fn main() {
         Cmd::Logits(a) => run::logits(a),
         Cmd::Setup(a) => store_cmds::run_setup(a),
         Cmd::Doctor(a) => store_cmds::run_doctor(a),
+        Cmd::Serve(a) => serve::run_serve(a),
+        Cmd::Chat(a) => serve::run_chat(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

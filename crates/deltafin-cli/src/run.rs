@@ -42,6 +42,7 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn open(&self) -> Result<LoadedModel> {
+        // (shared by run, logits, serve and chat)
         EngineBuilder::new(&self.model)
             .context(self.context)
             .prefill_chunk(self.prefill_chunk)
@@ -112,7 +113,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty: give --prompt TEXT, --ids 1,2,3, or text on stdin");
     }
     let stop_ids = if a.chat { model.chat()?.stop_ids() } else { Vec::new() };
-    let opts = GenerateOptions { max_new: a.max_new, stop_ids };
+    let opts = GenerateOptions { max_new: a.max_new, stop_ids, ..Default::default() };
     let mut seq = model.new_sequence();
     let mut out = std::io::stdout().lock();
     let mut dec = model.tokenizer().stream();

@@ -47,6 +47,8 @@ pub struct Engine {
     model: Model,
     experts: Arc<dyn ExpertSource>,
     options: EngineOptions,
+    /// The cancel flag of the generation in progress, checked between layers.
+    cancel: std::sync::Mutex<Option<Cancel>>,
     /// Demand counts per (layer, expert) since the last `take_heat` (for the pinned tier).
     heat: std::sync::Mutex<std::collections::HashMap<(usize, u32), u64>>,
 }
@@ -54,7 +56,7 @@ pub struct Engine {
 impl Engine {
     /// Wraps a loaded spine and an expert source.
     pub fn new(model: Model, experts: Arc<dyn ExpertSource>, options: EngineOptions) -> Engine {
-        Engine { model, experts, options, heat: Default::default() }
+        Engine { model, experts, options, cancel: Default::default(), heat: Default::default() }
     }
 
     /// Demand counts per (layer, expert) since the last call.
@@ -132,7 +134,11 @@ impl Engine {
         let cfg = self.model.config();
         let mut report = ForwardReport::default();
         let mut res = Residual::new(self.model.embed(ids)?);
+        let cancel = self.cancel.lock().expect("poisoned").clone();
         for l in 0..cfg.num_layers {
+            if cancel.as_ref().is_some_and(Cancel::is_cancelled) {
+                return Err(Error::Cancelled);
+            }
             let x = self.model.attention_block(l, &mut seq.layers[l], &mut res)?;
             let out = match cfg.mlp[l] {
                 MlpKind::Dense => self.model.dense_mlp(l, &x),
@@ -186,6 +192,18 @@ impl Engine {
         opts: &GenerateOptions,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<Stats> {
+        self.generate_with(seq, prompt, opts, |s| on_token(s.id))
+    }
+
+    /// [`Engine::generate`] that also hands over the logits each token was chosen from.
+    pub fn generate_with(
+        &self,
+        seq: &mut Sequence,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_step: impl FnMut(Step<'_>) -> bool,
+    ) -> Result<Stats> {
+        self.cancel.lock().expect("poisoned").clone_from(&opts.cancel);
         let start = Instant::now();
         let before = self.experts.stats();
         let (logits, rep) = self.forward(seq, prompt, LogitRows::Last)?;
@@ -195,18 +213,20 @@ impl Engine {
         stats.expert_bytes_read_prefill = after_prefill.bytes_read - before.bytes_read;
         stats.expert_bytes_distinct_prefill = rep.distinct_expert_bytes;
         let mut read_wait = rep.read_wait;
-        let mut next = argmax(logits.row(logits.rows - 1));
+        let mut last = logits.row(logits.rows - 1).to_vec();
+        let mut next = argmax(&last);
         let decode_start = Instant::now();
         let mut generated = 0;
         while generated < opts.max_new {
             generated += 1;
-            let keep_going = on_token(next);
+            let keep_going = on_step(Step { id: next, logits: &last });
             if opts.stop_ids.contains(&next) || !keep_going || generated == opts.max_new {
                 break;
             }
             let (l, r) = self.forward(seq, &[next], LogitRows::Last)?;
             read_wait += r.read_wait;
-            next = argmax(l.row(0));
+            last = l.row(0).to_vec();
+            next = argmax(&last);
         }
         let decode = decode_start.elapsed().as_secs_f64();
         let end = self.experts.stats();
@@ -246,11 +266,40 @@ pub struct GenerateOptions {
     pub max_new: usize,
     /// Ids that end generation (emitted, then stop).
     pub stop_ids: Vec<u32>,
+    /// Checked between layers: once set, the generation stops with [`Error::Cancelled`] (a
+    /// client that went away must free the engine at once, even mid-prompt).
+    pub cancel: Option<Cancel>,
+}
+
+/// A shared flag that stops a generation.
+#[derive(Clone, Debug, Default)]
+pub struct Cancel(Arc<std::sync::atomic::AtomicBool>);
+
+impl Cancel {
+    /// A fresh, unset flag.
+    pub fn new() -> Cancel {
+        Cancel::default()
+    }
+    /// Sets the flag.
+    pub fn cancel(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+    /// Whether the flag is set.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// One generated token and the logits it was chosen from.
+pub struct Step<'a> {
+    pub id: u32,
+    /// Logits over the vocabulary that produced `id` (for logprobs).
+    pub logits: &'a [f32],
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_new: 64, stop_ids: Vec::new() }
+        GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None }
     }
 }
 

@@ -9,6 +9,9 @@ pub enum Error {
     /// From the store (files, drives, integrity, budget).
     #[error(transparent)]
     Store(#[from] deltafin_store::Error),
+    /// The generation was cancelled (its client went away).
+    #[error("cancelled")]
+    Cancelled,
     /// A request the engine cannot honor (empty prompt, bad option).
     #[error("{0}")]
     Invalid(String),

@@ -8,7 +8,7 @@
 //! let model = EngineBuilder::new("models/small").open()?;
 //! let prompt = model.tokenizer().encode_ordinary("The quick brown fox");
 //! let mut seq = model.new_sequence();
-//! let opts = GenerateOptions { max_new: 16, stop_ids: vec![] };
+//! let opts = GenerateOptions { max_new: 16, stop_ids: vec![], ..Default::default() };
 //! let stats = model.engine().generate(&mut seq, &prompt, &opts, |id| {
 //!     print!("{}", model.tokenizer().decode(&[id]));
 //!     true
@@ -31,7 +31,7 @@ mod stats;
 pub use deltafin_store::{CacheMode, CachePolicy};
 
 pub use crate::{
-    engine::{argmax, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows},
+    engine::{argmax, Cancel, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows, Step},
     error::{Error, Result},
     open::{EngineBuilder, LoadedModel, MemoryPlan, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT},
     sequence::Sequence,

@@ -17,7 +17,7 @@ const NEW: usize = 12;
 fn generate(model: &LoadedModel, on_token: &mut dyn FnMut(usize)) -> Result<Vec<u32>, deltafin_sched::Error> {
     let mut out = Vec::new();
     let mut seq = model.new_sequence();
-    model.engine().generate(&mut seq, PROMPT, &GenerateOptions { max_new: NEW, stop_ids: vec![] }, |id| {
+    model.engine().generate(&mut seq, PROMPT, &GenerateOptions { max_new: NEW, stop_ids: vec![], ..Default::default() }, |id| {
         out.push(id);
         on_token(out.len());
         true

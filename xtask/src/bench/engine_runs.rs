@@ -32,10 +32,11 @@ pub fn generate(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize) -> Re
         .open()?;
     let mut ids = Vec::new();
     let mut seq = model.new_sequence();
-    let stats = model.engine().generate(&mut seq, prompt, &GenerateOptions { max_new: new, stop_ids: vec![] }, |id| {
-        ids.push(id);
-        true
-    })?;
+    let stats =
+        model.engine().generate(&mut seq, prompt, &GenerateOptions { max_new: new, stop_ids: vec![], ..Default::default() }, |id| {
+            ids.push(id);
+            true
+        })?;
     Ok((ids, stats))
 }
 

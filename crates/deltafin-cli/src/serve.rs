@@ -1,0 +1,168 @@
+//! `deltafin serve` (the OpenAI-compatible server) and `deltafin chat` (a terminal chat).
+
+use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::Result;
+use clap::Args;
+use deltafin_core::{Message, Role};
+use deltafin_sched::{Cancel, GenerateOptions};
+
+use crate::run::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on (loopback by default: nothing is exposed unless you ask).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 requests.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Requests that may wait while one generates; more get 429.
+    #[arg(long, default_value_t = 8)]
+    pub max_queue: usize,
+    /// Largest accepted request body.
+    #[arg(long, default_value = "4M", value_parser = crate::store_cmds::parse_size)]
+    pub max_body: u64,
+    /// max_tokens when a request gives none.
+    #[arg(long, default_value_t = 512)]
+    pub default_max_tokens: usize,
+}
+
+pub fn run_serve(a: ServeArgs) -> Result<()> {
+    let name = a.model.model.file_name().map_or("deltafin".to_string(), |n| n.to_string_lossy().into_owned());
+    let cfg = deltafin_server::ServerConfig {
+        host: a.host.clone(),
+        port: a.port,
+        api_key: a.api_key.clone(),
+        max_queue: a.max_queue,
+        max_body_bytes: a.max_body as usize,
+        default_max_tokens: a.default_max_tokens,
+        model_name: name,
+        keep_alive_s: 10,
+    };
+    let margs = a.model.clone();
+    deltafin_server::serve_blocking(cfg, move || margs.open().map_err(|e| format!("{e:#}")))?;
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Most tokens per reply.
+    #[arg(long, default_value_t = 512)]
+    pub max_new: usize,
+    /// A system message to start the conversation with.
+    #[arg(long)]
+    pub system: Option<String>,
+}
+
+const HELP: &str = "Type a message and press Enter. End a line with \\ to continue on the next line.\n\
+Commands: /stats (last reply's stats), /reset (new conversation), /quit. Ctrl-C stops a reply; Ctrl-D quits.";
+
+pub fn run_chat(a: ChatArgs) -> Result<()> {
+    eprintln!("loading {} ...", a.model.model.display());
+    let model = a.model.open()?;
+    let chat = model.chat()?;
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let flag = interrupted.clone();
+    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))?;
+    eprintln!("{HELP}");
+    let mut history: Vec<Message> = a.system.iter().map(|s| Message::new(Role::System, s.clone())).collect();
+    let mut seq = model.new_sequence();
+    let mut last_stats = None;
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines();
+    loop {
+        eprint!("\n> ");
+        let mut input = String::new();
+        loop {
+            match lines.next() {
+                None => return Ok(()),
+                Some(line) => {
+                    let line = line?;
+                    if let Some(part) = line.strip_suffix('\\') {
+                        input.push_str(part);
+                        input.push('\n');
+                        eprint!(". ");
+                    } else {
+                        input.push_str(&line);
+                        break;
+                    }
+                }
+            }
+        }
+        interrupted.store(false, Ordering::SeqCst);
+        match input.trim() {
+            "" => continue,
+            "/quit" | "/exit" => return Ok(()),
+            "/reset" => {
+                history.retain(|m| m.role == Role::System);
+                seq = model.new_sequence();
+                eprintln!("(new conversation)");
+                continue;
+            }
+            "/stats" => {
+                match &last_stats {
+                    Some(s) => eprintln!("{}", deltafin_sched::Stats::summary(s)),
+                    None => eprintln!("(no reply yet)"),
+                }
+                continue;
+            }
+            "/help" => {
+                eprintln!("{HELP}");
+                continue;
+            }
+            _ => {}
+        }
+        history.push(Message::new(Role::User, input));
+        let ids = chat.render(&history, None)?;
+        // Resume from the kept state when the new prompt extends it (it does in a chat).
+        if !(ids.starts_with(seq.ids()) && ids.len() > seq.ids().len()) {
+            seq = model.new_sequence();
+        }
+        let cached = seq.ids().len();
+        let cancel = Cancel::new();
+        let opts = GenerateOptions { max_new: a.max_new, stop_ids: chat.stop_ids(), cancel: Some(cancel.clone()) };
+        let mut reply_ids = Vec::new();
+        let mut dec = model.tokenizer().stream();
+        let mut out = std::io::stdout();
+        let result = model.engine().generate(&mut seq, &ids[cached..], &opts, |id| {
+            reply_ids.push(id);
+            if !model.tokenizer().is_special(id) {
+                let _ = write!(out, "{}", dec.push(id));
+                let _ = out.flush();
+            }
+            if interrupted.load(Ordering::SeqCst) {
+                cancel.cancel();
+                return false;
+            }
+            true
+        });
+        println!("{}", dec.finish());
+        match result {
+            Ok(stats) => last_stats = Some(stats),
+            Err(deltafin_sched::Error::Cancelled) => {
+                eprintln!("(stopped)");
+                seq = model.new_sequence();
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                seq = model.new_sequence();
+            }
+        }
+        if interrupted.load(Ordering::SeqCst) {
+            eprintln!("(stopped)");
+        }
+        // Keep the reply in the history (its think part is not replayed).
+        let text: String =
+            model.tokenizer().decode(&reply_ids.iter().copied().filter(|&i| !model.tokenizer().is_special(i)).collect::<Vec<_>>());
+        history.push(Message::new(Role::Assistant, text));
+    }
+}

@@ -1,0 +1,315 @@
+//! Parsing and validating OpenAI request bodies: everything the engine honors exactly is
+//! accepted; anything it cannot (n > 1, tools, penalties, logit_bias, images, unknown fields) is
+//! refused with a 400 naming the field, never silently ignored.
+
+use serde_json::{Map, Value};
+
+use deltafin_core::{Message, Role};
+
+/// An OpenAI-shaped client error.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub param: Option<String>,
+    pub kind: &'static str,
+}
+
+impl ApiError {
+    pub fn bad(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError { status: 400, message: message.into(), param: Some(param.into()), kind: "invalid_request_error" }
+    }
+    pub fn body(&self) -> Value {
+        serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}})
+    }
+}
+
+/// What a request asks the engine for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Chat { messages: Vec<Message>, reasoning_effort: Option<String> },
+    Text(String),
+}
+
+/// A validated request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub prompt: Prompt,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub logprobs: bool,
+    pub top_logprobs: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+const COMMON: &[&str] =
+    &["model", "max_tokens", "stop", "stream", "stream_options", "user", "metadata", "temperature", "top_p", "n", "seed", "logprobs"];
+const CHAT_ONLY: &[&str] = &["messages", "max_completion_tokens", "top_logprobs", "reasoning_effort", "store"];
+const COMPLETION_ONLY: &[&str] = &["prompt", "echo", "suffix", "best_of"];
+/// Fields the engine cannot honor exactly, with the reason given to the client.
+const REFUSED: &[(&str, &str)] = &[
+    ("tools", "tool calls are not supported yet"),
+    ("tool_choice", "tool calls are not supported yet"),
+    ("functions", "function calls are not supported"),
+    ("function_call", "function calls are not supported"),
+    ("parallel_tool_calls", "tool calls are not supported yet"),
+    ("response_format", "structured output is not supported"),
+    ("logit_bias", "logit_bias would change K3's greedy choice; it is not supported"),
+    ("presence_penalty", "penalties would change K3's greedy choice; they are not supported"),
+    ("frequency_penalty", "penalties would change K3's greedy choice; they are not supported"),
+    ("modalities", "only text is supported"),
+    ("audio", "only text is supported"),
+    ("prediction", "predicted outputs are not supported"),
+    ("service_tier", "service tiers do not exist here"),
+    ("web_search_options", "web search is not supported"),
+];
+
+/// Parses a `/v1/chat/completions` (chat = true) or `/v1/completions` body.
+pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad("body", format!("request body is not valid JSON: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| ApiError::bad("body", "request body must be a JSON object"))?;
+    for (k, val) in obj {
+        if let Some((_, why)) = REFUSED.iter().find(|(f, _)| f == k) {
+            // Neutral values (0 penalties, empty bias, null) are the same as absent.
+            let neutral = val.is_null()
+                || val.as_f64() == Some(0.0)
+                || val.as_object().is_some_and(Map::is_empty)
+                || val.as_array().is_some_and(Vec::is_empty);
+            if !neutral {
+                return Err(ApiError::bad(k, format!("`{k}`: {why}")));
+            }
+            continue;
+        }
+        let known =
+            COMMON.contains(&k.as_str()) || if chat { CHAT_ONLY.contains(&k.as_str()) } else { COMPLETION_ONLY.contains(&k.as_str()) };
+        if !known {
+            return Err(ApiError::bad(k, format!("unknown field `{k}`: this server refuses what it cannot honor exactly")));
+        }
+    }
+    let num = |k: &str| obj.get(k).filter(|v| !v.is_null());
+    if let Some(n) = num("n") {
+        if n.as_u64() != Some(1) {
+            return Err(ApiError::bad("n", "`n` must be 1: greedy decoding has exactly one answer"));
+        }
+    }
+    if let Some(b) = num("best_of") {
+        if b.as_u64() != Some(1) {
+            return Err(ApiError::bad("best_of", "`best_of` must be 1"));
+        }
+    }
+    if num("echo").and_then(Value::as_bool) == Some(true) {
+        return Err(ApiError::bad("echo", "`echo` is not supported"));
+    }
+    if num("suffix").is_some() {
+        return Err(ApiError::bad("suffix", "`suffix` (insertion) is not supported"));
+    }
+    if let Some(t) = num("temperature") {
+        match t.as_f64() {
+            Some(x) if (0.0..=2.0).contains(&x) => {}
+            _ => {
+                return Err(ApiError::bad("temperature", "`temperature` must be a number in [0, 2] (output is greedy whatever its value)"))
+            }
+        }
+    }
+    if let Some(t) = num("top_p") {
+        match t.as_f64() {
+            Some(x) if x > 0.0 && x <= 1.0 => {}
+            _ => return Err(ApiError::bad("top_p", "`top_p` must be a number in (0, 1] (output is greedy whatever its value)")),
+        }
+    }
+    if let Some(s) = num("seed") {
+        if s.as_i64().is_none() {
+            return Err(ApiError::bad("seed", "`seed` must be an integer"));
+        }
+    }
+    if let Some(u) = num("user") {
+        if !u.is_string() {
+            return Err(ApiError::bad("user", "`user` must be a string"));
+        }
+    }
+    if let Some(m) = num("metadata") {
+        if !m.as_object().is_some_and(|o| o.values().all(Value::is_string)) {
+            return Err(ApiError::bad("metadata", "`metadata` must be an object of strings"));
+        }
+    }
+    let max_key = if chat && num("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" };
+    let max_tokens = match num(max_key) {
+        None => default_max,
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 => n as usize,
+            _ => return Err(ApiError::bad(max_key, format!("`{max_key}` must be a positive integer"))),
+        },
+    };
+    let stop = match num("stop") {
+        None => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| x.as_str().map(str::to_string).ok_or_else(|| ApiError::bad("stop", "`stop` must be a string or a list of strings")))
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::bad("stop", "`stop` must be a string or a list of strings")),
+    };
+    if stop.len() > 4 || stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad("stop", "`stop` takes up to 4 non-empty strings"));
+    }
+    let stream = match num("stream") {
+        None => false,
+        Some(v) => v.as_bool().ok_or_else(|| ApiError::bad("stream", "`stream` must be a boolean"))?,
+    };
+    let include_usage = match num("stream_options") {
+        None => false,
+        Some(o) => {
+            let o = o.as_object().ok_or_else(|| ApiError::bad("stream_options", "`stream_options` must be an object"))?;
+            if let Some(k) = o.keys().find(|k| *k != "include_usage") {
+                return Err(ApiError::bad("stream_options", format!("unknown field `stream_options.{k}`")));
+            }
+            if !stream {
+                return Err(ApiError::bad("stream_options", "`stream_options` needs `stream: true`"));
+            }
+            o.get("include_usage").and_then(Value::as_bool).unwrap_or(false)
+        }
+    };
+    let (logprobs, top_logprobs) = if chat {
+        let lp = match num("logprobs") {
+            None => false,
+            Some(v) => v.as_bool().ok_or_else(|| ApiError::bad("logprobs", "`logprobs` must be a boolean"))?,
+        };
+        let top = match num("top_logprobs") {
+            None => 0,
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= 20 => n as usize,
+                _ => return Err(ApiError::bad("top_logprobs", "`top_logprobs` must be an integer in [0, 20]")),
+            },
+        };
+        if top > 0 && !lp {
+            return Err(ApiError::bad("top_logprobs", "`top_logprobs` needs `logprobs: true`"));
+        }
+        (lp, top)
+    } else {
+        match num("logprobs") {
+            None => (false, 0),
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= 5 => (true, n as usize),
+                _ => return Err(ApiError::bad("logprobs", "`logprobs` must be an integer in [0, 5]")),
+            },
+        }
+    };
+    let prompt = if chat { parse_chat(obj)? } else { parse_text(obj)? };
+    Ok(Request { prompt, max_tokens, stop, logprobs, top_logprobs, stream, include_usage })
+}
+
+fn parse_text(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
+    match obj.get("prompt") {
+        Some(Value::String(s)) if !s.is_empty() => Ok(Prompt::Text(s.clone())),
+        Some(Value::String(_)) => Err(ApiError::bad("prompt", "`prompt` is empty")),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].as_str().is_some_and(|s| !s.is_empty()) => {
+            Ok(Prompt::Text(a[0].as_str().unwrap_or_default().to_string()))
+        }
+        Some(Value::Array(_)) => Err(ApiError::bad("prompt", "`prompt` must be one non-empty string (batches need n > 1 generations)")),
+        Some(_) => Err(ApiError::bad("prompt", "`prompt` must be a string")),
+        None => Err(ApiError::bad("prompt", "`prompt` is required")),
+    }
+}
+
+fn parse_chat(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
+    let msgs = obj.get("messages").and_then(Value::as_array).ok_or_else(|| ApiError::bad("messages", "`messages` must be a list"))?;
+    if msgs.is_empty() {
+        return Err(ApiError::bad("messages", "`messages` is empty"));
+    }
+    let mut out = Vec::new();
+    for (i, m) in msgs.iter().enumerate() {
+        let p = format!("messages[{i}]");
+        let m = m.as_object().ok_or_else(|| ApiError::bad(&p, format!("`{p}` must be an object")))?;
+        for k in m.keys() {
+            if !["role", "content", "name", "reasoning_content"].contains(&k.as_str()) {
+                return Err(ApiError::bad(&format!("{p}.{k}"), format!("`{p}.{k}` is not supported")));
+            }
+        }
+        let role = match m.get("role").and_then(Value::as_str) {
+            Some("system") | Some("developer") => Role::System,
+            Some("user") => Role::User,
+            Some("assistant") => Role::Assistant,
+            Some("tool") => return Err(ApiError::bad(&format!("{p}.role"), "tool messages need tool calls, which are not supported yet")),
+            _ => return Err(ApiError::bad(&format!("{p}.role"), format!("`{p}.role` must be system, developer, user or assistant"))),
+        };
+        let content = match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        (ty, _) => {
+                            return Err(ApiError::bad(
+                                &format!("{p}.content[{j}]"),
+                                format!("content part type {:?} is not supported (text only)", ty.unwrap_or("?")),
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+            Some(Value::Null) | None if role == Role::Assistant => String::new(),
+            _ => return Err(ApiError::bad(&format!("{p}.content"), format!("`{p}.content` must be a string"))),
+        };
+        let mut msg = Message::new(role, content);
+        msg.reasoning = m.get("reasoning_content").and_then(Value::as_str).map(str::to_string);
+        out.push(msg);
+    }
+    let reasoning_effort = match obj.get("reasoning_effort") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => match s.as_str() {
+            "low" | "high" | "max" => Some(s.clone()),
+            "medium" => Some("high".to_string()),
+            _ => return Err(ApiError::bad("reasoning_effort", "`reasoning_effort` must be low, medium, high or max")),
+        },
+        Some(_) => return Err(ApiError::bad("reasoning_effort", "`reasoning_effort` must be a string")),
+    };
+    Ok(Prompt::Chat { messages: out, reasoning_effort })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<Request, ApiError> {
+        parse(body.as_bytes(), true, 16)
+    }
+
+    #[test]
+    fn accepts_what_it_honors() {
+        let r = chat(r#"{"model":"k3","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"stop":["x"],"logprobs":true,"top_logprobs":3,"temperature":0.7,"top_p":0.9,"user":"u","metadata":{"a":"b"},"stream":true,"stream_options":{"include_usage":true},"reasoning_effort":"low","presence_penalty":0}"#).unwrap();
+        assert_eq!(r.max_tokens, 5);
+        assert_eq!(r.stop, vec!["x"]);
+        assert!(r.logprobs && r.top_logprobs == 3 && r.stream && r.include_usage);
+        let c = parse(br#"{"prompt":"abc","logprobs":2,"max_tokens":3}"#, false, 16).unwrap();
+        assert_eq!((c.logprobs, c.top_logprobs, c.max_tokens), (true, 2, 3));
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_honor_naming_the_field() {
+        let cases = [
+            (r#"{"messages":[{"role":"user","content":"hi"}],"n":2}"#, "n"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}"#, "tools"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"frequency_penalty":0.5}"#, "frequency_penalty"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"logit_bias":{"1":5}}"#, "logit_bias"),
+            (r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#, "messages[0].content[0]"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"frobnicate":1}"#, "frobnicate"),
+            (r#"{"messages":[]}"#, "messages"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"temperature":3}"#, "temperature"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"top_p":0}"#, "top_p"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":0}"#, "max_tokens"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"top_logprobs":2}"#, "top_logprobs"),
+            (r#"{"messages":[{"role":"wizard","content":"hi"}]}"#, "messages[0].role"),
+            (r#"not json"#, "body"),
+        ];
+        for (body, param) in cases {
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.status, 400);
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {e:?}");
+        }
+        let e = parse(br#"{"prompt":""}"#, false, 16).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+    }
+}
