@@ -47,8 +47,6 @@ pub struct Engine {
     model: Model,
     experts: Arc<dyn ExpertSource>,
     options: EngineOptions,
-    /// The cancel flag of the generation in progress, checked between layers.
-    cancel: std::sync::Mutex<Option<Cancel>>,
     /// Demand counts per (layer, expert) since the last `take_heat` (for the pinned tier).
     heat: std::sync::Mutex<std::collections::HashMap<(usize, u32), u64>>,
 }
@@ -56,7 +54,7 @@ pub struct Engine {
 impl Engine {
     /// Wraps a loaded spine and an expert source.
     pub fn new(model: Model, experts: Arc<dyn ExpertSource>, options: EngineOptions) -> Engine {
-        Engine { model, experts, options, cancel: Default::default(), heat: Default::default() }
+        Engine { model, experts, options, heat: Default::default() }
     }
 
     /// Demand counts per (layer, expert) since the last call.
@@ -82,6 +80,18 @@ impl Engine {
     /// Runs `ids` through the model after what `seq` holds, returning logits for the new rows
     /// selected by `logit_rows` (`All` or only the last).
     pub fn forward(&self, seq: &mut Sequence, ids: &[u32], logit_rows: LogitRows) -> Result<(Mat, ForwardReport)> {
+        self.forward_with(seq, ids, logit_rows, None)
+    }
+
+    /// [`Engine::forward`] that stops with [`Error::Cancelled`] once `cancel` is set (checked
+    /// between layers); the sequence is then left as it was before the call.
+    pub fn forward_with(
+        &self,
+        seq: &mut Sequence,
+        ids: &[u32],
+        logit_rows: LogitRows,
+        cancel: Option<&Cancel>,
+    ) -> Result<(Mat, ForwardReport)> {
         if ids.is_empty() {
             return Err(Error::Invalid("nothing to run: the token list is empty".into()));
         }
@@ -90,7 +100,7 @@ impl Engine {
         let mut logits: Option<Mat> = None;
         for (i, part) in ids.chunks(chunk).enumerate() {
             let last_part = (i + 1) * chunk >= ids.len();
-            let (res, r) = self.forward_pass(seq, part)?;
+            let (res, r) = self.forward_pass(seq, part, cancel)?;
             report.read_wait += r.read_wait;
             report.distinct_expert_bytes += r.distinct_expert_bytes;
             let rows = match logit_rows {
@@ -109,7 +119,7 @@ impl Engine {
         Ok((logits.expect("the last chunk always yields logits"), report))
     }
 
-    fn forward_pass(&self, seq: &mut Sequence, ids: &[u32]) -> Result<(Residual, ForwardReport)> {
+    fn forward_pass(&self, seq: &mut Sequence, ids: &[u32], cancel: Option<&Cancel>) -> Result<(Residual, ForwardReport)> {
         if seq.ids.len() + ids.len() > seq.context_limit {
             return Err(deltafin_core::Error::ContextLimit(format!(
                 "{} tokens held + {} new exceed the context limit of {}; start a new conversation or raise --context",
@@ -120,7 +130,7 @@ impl Engine {
             .into());
         }
         let snapshot = seq.layers.clone();
-        let result = self.walk_layers(seq, ids);
+        let result = self.walk_layers(seq, ids, cancel);
         if result.is_err() {
             // A failed pass (a dead drive, a corrupt expert) must not leave half-advanced state.
             seq.layers = snapshot;
@@ -130,13 +140,12 @@ impl Engine {
         result
     }
 
-    fn walk_layers(&self, seq: &mut Sequence, ids: &[u32]) -> Result<(Residual, ForwardReport)> {
+    fn walk_layers(&self, seq: &mut Sequence, ids: &[u32], cancel: Option<&Cancel>) -> Result<(Residual, ForwardReport)> {
         let cfg = self.model.config();
         let mut report = ForwardReport::default();
         let mut res = Residual::new(self.model.embed(ids)?);
-        let cancel = self.cancel.lock().expect("poisoned").clone();
         for l in 0..cfg.num_layers {
-            if cancel.as_ref().is_some_and(Cancel::is_cancelled) {
+            if cancel.is_some_and(Cancel::is_cancelled) {
                 return Err(Error::Cancelled);
             }
             let x = self.model.attention_block(l, &mut seq.layers[l], &mut res)?;
@@ -203,10 +212,9 @@ impl Engine {
         opts: &GenerateOptions,
         mut on_step: impl FnMut(Step<'_>) -> bool,
     ) -> Result<Stats> {
-        self.cancel.lock().expect("poisoned").clone_from(&opts.cancel);
         let start = Instant::now();
         let before = self.experts.stats();
-        let (logits, rep) = self.forward(seq, prompt, LogitRows::Last)?;
+        let (logits, rep) = self.forward_with(seq, prompt, LogitRows::Last, opts.cancel.as_ref())?;
         let after_prefill = self.experts.stats();
         let ttft = start.elapsed();
         let mut stats = Stats { prompt_tokens: prompt.len(), ttft_s: ttft.as_secs_f64(), ..Default::default() };
@@ -223,7 +231,7 @@ impl Engine {
             if opts.stop_ids.contains(&next) || !keep_going || generated == opts.max_new {
                 break;
             }
-            let (l, r) = self.forward(seq, &[next], LogitRows::Last)?;
+            let (l, r) = self.forward_with(seq, &[next], LogitRows::Last, opts.cancel.as_ref())?;
             read_wait += r.read_wait;
             last = l.row(0).to_vec();
             next = argmax(&last);

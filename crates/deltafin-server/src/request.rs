@@ -17,7 +17,11 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn bad(param: &str, message: impl Into<String>) -> ApiError {
-        ApiError { status: 400, message: message.into(), param: Some(param.into()), kind: "invalid_request_error" }
+        let mut message = message.into();
+        if !message.contains(param) {
+            message = format!("`{param}`: {message}");
+        }
+        ApiError { status: 400, message, param: Some(param.into()), kind: "invalid_request_error" }
     }
     pub fn body(&self) -> Value {
         serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}})

@@ -78,6 +78,7 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, metrics: Arc<Metrics>) -
             while let Ok(job) = rx.recv() {
                 d.fetch_sub(1, Ordering::AcqRel);
                 if job.cancel.is_cancelled() || job.events.is_closed() {
+                    metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
                 let events = job.events.clone();
@@ -122,7 +123,7 @@ fn run(model: &LoadedModel, kept: &mut Kept, job: Job, metrics: &Metrics) {
     let t0 = std::time::Instant::now();
     let body = &job.prompt[cached..job.prompt.len() - 1];
     if !body.is_empty() {
-        if let Err(e) = model.engine().forward(&mut seq, body, deltafin_sched::LogitRows::Last) {
+        if let Err(e) = model.engine().forward_with(&mut seq, body, deltafin_sched::LogitRows::Last, Some(&job.cancel)) {
             if !matches!(e, EngineError::Cancelled) {
                 let _ = job.events.send(Event::Failed(e.to_string()));
             }
@@ -143,6 +144,9 @@ fn run(model: &LoadedModel, kept: &mut Kept, job: Job, metrics: &Metrics) {
     kept.prompt = Some(snapshot);
     match result {
         Ok(mut stats) => {
+            if job.events.is_closed() {
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
             stats.prompt_tokens = job.prompt.len() - cached;
             stats.ttft_s += body_secs;
             stats.total_s += body_secs;

@@ -1,0 +1,337 @@
+//! `deltafin serve` over loopback: shapes of JSON and SSE responses, exact semantics (greedy,
+//! stop, logprobs from real logits), every refusal, auth, body limits, the queue and 429,
+//! client disconnects, follow-up reuse identical to a cold run, and the official `openai`
+//! Python client (when installed; CI installs it).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
+}
+
+fn start(extra: &[&str]) -> Server {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let child = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args(["serve", "--model"])
+        .arg(fixture())
+        .args(["--port", &port.to_string(), "--context", "512"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let s = Server { child, port };
+    let t0 = Instant::now();
+    loop {
+        if let Ok((200, _, _)) = s.request("GET", "/health", None, &[]) {
+            return s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "server did not become healthy");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Server {
+    /// A minimal HTTP/1.1 exchange: (status, headers, body).
+    fn request(&self, method: &str, path: &str, body: Option<&[u8]>, headers: &[(&str, &str)]) -> std::io::Result<(u16, String, String)> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
+        let body = body.unwrap_or(b"");
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            req += &format!("{k}: {v}\r\n");
+        }
+        req += "\r\n";
+        s.write_all(req.as_bytes())?;
+        s.write_all(body)?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw)?;
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_string() };
+        Ok((status, head.to_string(), body))
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, String, String) {
+        self.request("POST", path, Some(body.to_string().as_bytes()), &[]).unwrap()
+    }
+
+    fn json(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (st, _, b) = self.post(path, body);
+        (st, serde_json::from_str(&b).unwrap_or_else(|e| panic!("{e}: {b}")))
+    }
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((len, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(len.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+fn chat_body(text: &str, max: usize) -> Value {
+    json!({"model": "k3", "messages": [{"role": "user", "content": text}], "max_tokens": max})
+}
+
+#[test]
+fn chat_and_completion_shapes_and_determinism() {
+    let s = start(&[]);
+    let (st, a) = s.json("/v1/chat/completions", &chat_body("Numbers matter here", 6));
+    assert_eq!(st, 200);
+    assert_eq!(a["object"], "chat.completion");
+    assert!(a["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let c = &a["choices"][0];
+    assert_eq!(c["index"], 0);
+    assert_eq!(c["message"]["role"], "assistant");
+    assert!(c["message"]["content"].is_string());
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(a["usage"]["completion_tokens"], 6);
+    assert_eq!(a["usage"]["total_tokens"].as_u64().unwrap(), a["usage"]["prompt_tokens"].as_u64().unwrap() + 6);
+    assert!(a["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
+    for k in ["ttft_ms", "predicted_per_second", "expert_bytes_read", "cache_hit_rate"] {
+        assert!(a["timings"].get(k).is_some(), "timings.{k}");
+    }
+    let text = |v: &Value| format!("{}|{}", v["choices"][0]["message"]["reasoning_content"], v["choices"][0]["message"]["content"]);
+    let (_, b) = s.json("/v1/chat/completions", &chat_body("Numbers matter here", 6));
+    assert_eq!(text(&a), text(&b), "same request, same output");
+    // temperature / top_p are accepted and change nothing.
+    let mut hot = chat_body("Numbers matter here", 6);
+    hot["temperature"] = json!(1.5);
+    hot["top_p"] = json!(0.5);
+    assert_eq!(text(&s.json("/v1/chat/completions", &hot).1), text(&a));
+    // Completions: the fixture's reference continuation.
+    let (st, c) = s.json("/v1/completions", &json!({"prompt": "Numbers matter here too: 12 boats and 42 answers.", "max_tokens": 3}));
+    assert_eq!(st, 200);
+    assert_eq!(c["object"], "text_completion");
+    assert_eq!(c["choices"][0]["text"], " exper\u{fffd}re");
+    let (st, _, body) = s.request("GET", "/v1/models", None, &[]).unwrap();
+    assert_eq!(st, 200);
+    assert!(body.contains("\"object\":\"list\""));
+}
+
+#[test]
+fn streaming_matches_whole_response_and_ends_with_done() {
+    let s = start(&[]);
+    let (_, whole) = s.json("/v1/chat/completions", &chat_body("stream me", 5));
+    let mut req = chat_body("stream me", 5);
+    req["stream"] = json!(true);
+    req["stream_options"] = json!({"include_usage": true});
+    let (st, head, body) = s.post("/v1/chat/completions", &req);
+    assert_eq!(st, 200);
+    assert!(head.to_ascii_lowercase().contains("text/event-stream"));
+    let data = sse_data(&body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut reasoning = String::new();
+    let mut content = String::new();
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(ch) = c["choices"].get(0) {
+            reasoning += ch["delta"]["reasoning_content"].as_str().unwrap_or("");
+            content += ch["delta"]["content"].as_str().unwrap_or("");
+        }
+    }
+    let last_choice = chunks.iter().rev().find(|c| c["choices"].as_array().is_some_and(|a| !a.is_empty())).unwrap();
+    assert_eq!(last_choice["choices"][0]["finish_reason"], "length");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(usage["usage"]["completion_tokens"], 5);
+    assert_eq!(reasoning, whole["choices"][0]["message"]["reasoning_content"].as_str().unwrap_or(""));
+    assert_eq!(content, whole["choices"][0]["message"]["content"].as_str().unwrap_or(""));
+}
+
+#[test]
+fn stop_and_logprobs_are_exact() {
+    let s = start(&[]);
+    let prompt = "Numbers matter here too: 12 boats and 42 answers.";
+    let (_, full) = s.json("/v1/completions", &json!({"prompt": prompt, "max_tokens": 8, "logprobs": 3}));
+    let text = full["choices"][0]["text"].as_str().unwrap().to_string();
+    let lp = &full["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 8);
+    for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let best = top.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).fold(f64::MIN, f64::max);
+        let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+        assert!((best - chosen).abs() < 1e-6 && chosen <= 0.0, "greedy picks the most likely token");
+    }
+    // A stop string from the middle of the output cuts it right there.
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let (_, cut) = s.json("/v1/completions", &json!({"prompt": prompt, "max_tokens": 8, "stop": [stop.clone()]}));
+    let want = &text[..text.find(&stop).unwrap()];
+    assert_eq!(cut["choices"][0]["text"], want);
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+    // The same in a stream.
+    let (_, _, body) = s.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 8, "stop": stop, "stream": true}));
+    let data = sse_data(&body);
+    let streamed: String = data
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(streamed, want);
+    // Chat logprobs.
+    let mut req = chat_body("hi", 3);
+    req["logprobs"] = json!(true);
+    req["top_logprobs"] = json!(2);
+    let (_, c) = s.json("/v1/chat/completions", &req);
+    let items = c["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(items.len(), 3);
+    assert_eq!(items[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    assert_eq!(items[0]["top_logprobs"][0]["logprob"], items[0]["logprob"]);
+}
+
+#[test]
+fn refusals_are_openai_shaped_400s_naming_the_field() {
+    let s = start(&["--max-body", "2K"]);
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        (json!({"messages": msgs, "n": 3}), "n"),
+        (json!({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+        (json!({"messages": msgs, "presence_penalty": 1.0}), "presence_penalty"),
+        (json!({"messages": msgs, "logit_bias": {"5": 10}}), "logit_bias"),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]}),
+            "messages[0].content[0]",
+        ),
+        (json!({"messages": msgs, "mystery": true}), "mystery"),
+        (json!({"messages": []}), "messages"),
+        (json!({"messages": msgs, "temperature": -1}), "temperature"),
+    ];
+    for (body, param) in cases {
+        let (st, v) = s.json("/v1/chat/completions", &body);
+        assert_eq!(st, 400, "{body}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert!(v["error"]["message"].as_str().unwrap().contains(param.split('[').next().unwrap()), "{v}");
+    }
+    let (st, v) = s.json("/v1/completions", &json!({"prompt": ""}));
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("prompt")));
+    let (st, _, body) = s.request("POST", "/v1/chat/completions", Some(b"{not json"), &[]).unwrap();
+    assert_eq!(st, 400, "{body}");
+    let big = json!({"messages": [{"role": "user", "content": "x".repeat(4000)}]});
+    let (st, _, _) = s.post("/v1/chat/completions", &big);
+    assert_eq!(st, 413);
+    let (_, _, metrics) = s.request("GET", "/metrics", None, &[]).unwrap();
+    assert!(metrics.contains("deltafin_requests_total{status=\"400\"}"));
+}
+
+#[test]
+fn api_key_is_required_when_set() {
+    let s = start(&["--api-key", "sekrit"]);
+    let (st, _, _) = s.post("/v1/chat/completions", &chat_body("hi", 1));
+    assert_eq!(st, 401);
+    let (st, _, _) = s
+        .request("POST", "/v1/chat/completions", Some(chat_body("hi", 1).to_string().as_bytes()), &[("Authorization", "Bearer sekrit")])
+        .unwrap();
+    assert_eq!(st, 200);
+}
+
+#[test]
+fn follow_up_reuses_state_with_identical_output() {
+    let s = start(&[]);
+    let (_, first) = s.json("/v1/chat/completions", &chat_body("Numbers matter here", 4));
+    let reply = &first["choices"][0]["message"];
+    let follow = json!({"messages": [
+        {"role": "user", "content": "Numbers matter here"},
+        {"role": "assistant", "content": reply["content"], "reasoning_content": reply["reasoning_content"]},
+        {"role": "user", "content": "and then?"}
+    ], "max_tokens": 6});
+    let (_, warm) = s.json("/v1/chat/completions", &follow);
+    let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached > 10, "the follow-up reused the first prompt's state ({cached} tokens)");
+    drop(s);
+    let cold_server = start(&[]);
+    let (_, cold) = cold_server.json("/v1/chat/completions", &follow);
+    assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(warm["choices"][0]["message"], cold["choices"][0]["message"], "reuse must not change a token");
+}
+
+#[test]
+fn queue_overflow_gets_429_and_disconnect_frees_the_engine() {
+    let s = start(&["--max-queue", "1"]);
+    // Long generations occupy the engine; the client connections are left open.
+    let long = json!({"prompt": "Numbers", "max_tokens": 500, "stream": true});
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+        let b = long.to_string();
+        write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len())
+            .unwrap();
+        held.push(c);
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (st, head, v) = s.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
+    assert_eq!(st, 429, "{v}");
+    assert!(head.to_ascii_lowercase().contains("retry-after"));
+    // Both clients go away: their generations stop and a new request is served quickly.
+    drop(held);
+    let t0 = Instant::now();
+    loop {
+        let (st, _, _) = s.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
+        if st == 200 {
+            break;
+        }
+        assert_eq!(st, 429);
+        assert!(t0.elapsed() < Duration::from_secs(10), "the abandoned generations kept the engine busy");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, _, metrics) = s.request("GET", "/metrics", None, &[]).unwrap();
+    let value = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {metrics}"))
+    };
+    assert!(value("deltafin_cancelled_total") >= 2, "both abandoned generations were cancelled: {metrics}");
+    assert!(value("deltafin_generated_tokens_total") < 1000, "the abandoned generations did not run to their 500 tokens each");
+}
+
+#[test]
+fn official_openai_python_client() {
+    let has = Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
+    if !has {
+        eprintln!("SKIPPED: the `openai` Python package is not installed (pip install openai); .ci/run installs it");
+        return;
+    }
+    let s = start(&[]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
+    let out = Command::new("python3").arg(script).arg(format!("http://127.0.0.1:{}/v1", s.port)).output().unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
