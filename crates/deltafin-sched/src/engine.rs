@@ -17,7 +17,7 @@ use crate::sequence::Sequence;
 use crate::stats::{peak_rss_bytes, Stats};
 
 /// Knobs of the engine loop that do not change its output.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
     /// Most prompt tokens per forward pass (memory bound); `None` = the whole prompt at once.
     pub prefill_chunk: Option<usize>,
@@ -27,11 +27,6 @@ pub struct EngineOptions {
     pub prefetch: bool,
 }
 
-impl Default for EngineOptions {
-    fn default() -> Self {
-        EngineOptions { prefill_chunk: None, prefetch: false }
-    }
-}
 
 /// What one forward pass did, for the stats.
 #[derive(Clone, Debug, Default)]
