@@ -281,7 +281,10 @@ fn timings(stats: &Stats, cached: usize) -> Value {
     })
 }
 
-fn completion_logprobs(tok: &Tokenizer, items: &[(u32, f32, Vec<(u32, f32)>)]) -> Value {
+/// One generated token with its logprob and the top alternatives.
+type TokenLogprob = (u32, f32, Vec<(u32, f32)>);
+
+fn completion_logprobs(tok: &Tokenizer, items: &[TokenLogprob]) -> Value {
     let text = |id: u32| String::from_utf8_lossy(&tok.id_bytes(id)).into_owned();
     let mut offset = 0;
     let mut offsets = vec![];
