@@ -32,6 +32,10 @@ pub struct ServeArgs {
     /// max_tokens when a request gives none.
     #[arg(long, default_value_t = 512)]
     pub default_max_tokens: usize,
+    /// Seconds between SSE keep-alive comments while a streamed request waits or its prompt is
+    /// processed (so clients with idle timeouts do not give up).
+    #[arg(long, default_value_t = 10)]
+    pub keep_alive: u64,
 }
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
@@ -44,7 +48,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         max_body_bytes: a.max_body as usize,
         default_max_tokens: a.default_max_tokens,
         model_name: name,
-        keep_alive_s: 10,
+        keep_alive_s: a.keep_alive,
     };
     let margs = a.model.clone();
     deltafin_server::serve_blocking(cfg, move || margs.open().map_err(|e| format!("{e:#}")))?;

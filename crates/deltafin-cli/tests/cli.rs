@@ -156,3 +156,31 @@ fn setup_killed_midway_resumes_to_an_identical_store_and_runs_within_budget() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("corrupt"));
 }
+
+#[test]
+fn chat_repl_streams_keeps_history_and_ctrl_c_stops_only_the_reply() {
+    let mut child = bin()
+        .args(["chat", "--max-new", "3000", "--context", "8192", "--model"])
+        .arg(fixture())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    // A multi-line message (trailing backslash continues the line) starts a long reply.
+    stdin.write_all(b"Numbers matter \\\nhere too\n").unwrap();
+    stdin.flush().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let st = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(st.success());
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    stdin.write_all(b"/stats\n/reset\nhello again\n/quit\n").unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "Ctrl-C must not quit the chat: {err}");
+    assert!(err.contains("(stopped)"), "{err}");
+    assert!(err.contains("(new conversation)"), "{err}");
+    assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty());
+}

@@ -28,6 +28,10 @@ fn fixture() -> PathBuf {
 }
 
 fn start(extra: &[&str]) -> Server {
+    start_env(extra, &[])
+}
+
+fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
@@ -35,8 +39,10 @@ fn start(extra: &[&str]) -> Server {
     let child = Command::new(env!("CARGO_BIN_EXE_deltafin"))
         .args(["serve", "--model"])
         .arg(fixture())
-        .args(["--port", &port.to_string(), "--context", "512"])
+        .args(["--port", &port.to_string()])
+        .args(if extra.contains(&"--context") { &[][..] } else { &["--context", "512"][..] })
         .args(extra)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -334,4 +340,103 @@ fn official_openai_python_client() {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
     let out = Command::new("python3").arg(script).arg(format!("http://127.0.0.1:{}/v1", s.port)).output().unwrap();
     assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn a_panicking_generation_leaves_the_server_up() {
+    let s = start_env(&[], &[("DELTAFIN_FAULT_PANIC_ON_TOKEN", "999")]);
+    let (st, v) = s.json("/v1/completions", &json!({"prompt": "Numbers", "max_tokens": 2}));
+    assert_eq!(st, 200, "{v}");
+    // " Movie" is token 999 of the fixture's vocabulary: it triggers the injected panic.
+    let (st, v) = s.json("/v1/completions", &json!({"prompt": "A Movie", "max_tokens": 2}));
+    assert_eq!(st, 500, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("panicked"), "{v}");
+    let (st, _) = s.json("/v1/completions", &json!({"prompt": "Numbers", "max_tokens": 2}));
+    assert_eq!(st, 200, "the server still serves");
+    let (_, _, metrics) = s.request("GET", "/metrics", None, &[]).unwrap();
+    assert!(metrics.contains("deltafin_panics_total 1"), "{metrics}");
+}
+
+#[test]
+fn streamed_requests_waiting_in_the_queue_get_keep_alives() {
+    let s = start(&["--keep-alive", "1", "--max-queue", "4", "--context", "4096"]);
+    let busy = std::thread::spawn({
+        let port = s.port;
+        move || {
+            let s2 = Server { child: Command::new("true").spawn().unwrap(), port };
+            let r = s2.post("/v1/completions", &json!({"prompt": "Numbers", "max_tokens": 3000}));
+            std::mem::forget(s2);
+            r
+        }
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let (st, _, body) = s.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 2, "stream": true}));
+    assert_eq!(st, 200);
+    assert!(body.contains(": keep-alive"), "a waiting stream gets keep-alive comments: {body}");
+    assert!(body.trim_end().ends_with("data: [DONE]"));
+    assert_eq!(busy.join().unwrap().0, 200);
+}
+
+/// Replaces what legitimately changes between runs (ids, clocks, timings) with placeholders.
+fn normalize(mut v: Value) -> Value {
+    if let Some(o) = v.as_object_mut() {
+        for (k, x) in o.iter_mut() {
+            match k.as_str() {
+                "id" => *x = json!("ID"),
+                "created" => *x = json!(0),
+                "timings" => {
+                    if let Some(t) = x.as_object_mut() {
+                        for (tk, tv) in t.iter_mut() {
+                            if tk != "prompt_n" && tk != "predicted_n" && tk != "cached_n" {
+                                *tv = json!(0);
+                            }
+                        }
+                    }
+                }
+                _ => *x = normalize(x.take()),
+            }
+        }
+    } else if let Some(a) = v.as_array_mut() {
+        for x in a.iter_mut() {
+            *x = normalize(x.take());
+        }
+    }
+    v
+}
+
+fn snapshot(name: &str, got: &Value) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots").join(format!("{name}.json"));
+    let text = serde_json::to_string_pretty(got).unwrap() + "\n";
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(&path, &text).unwrap();
+        return;
+    }
+    let want =
+        std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("missing snapshot {} (run with UPDATE_SNAPSHOTS=1)", path.display()));
+    assert_eq!(text, want, "response shape changed for {name}; review and re-run with UPDATE_SNAPSHOTS=1 if intended");
+}
+
+#[test]
+fn json_and_sse_shapes_match_snapshots() {
+    let s = start(&[]);
+    let mut req = chat_body("Numbers matter here", 3);
+    req["logprobs"] = json!(true);
+    req["top_logprobs"] = json!(1);
+    snapshot("chat", &normalize(s.json("/v1/chat/completions", &req).1));
+    snapshot("completion", &normalize(s.json("/v1/completions", &json!({"prompt": "Numbers matter", "max_tokens": 3, "logprobs": 1})).1));
+    req["stream"] = json!(true);
+    req["stream_options"] = json!({"include_usage": true});
+    let (_, _, body) = s.post("/v1/chat/completions", &req);
+    let events: Vec<Value> = sse_data(&body)
+        .into_iter()
+        .map(|d| if d == "[DONE]" { json!("[DONE]") } else { normalize(serde_json::from_str(&d).unwrap()) })
+        .collect();
+    snapshot("chat_stream", &json!(events));
+    let (_, _, body) = s.post("/v1/completions", &json!({"prompt": "Numbers matter", "max_tokens": 2, "stream": true}));
+    let events: Vec<Value> = sse_data(&body)
+        .into_iter()
+        .map(|d| if d == "[DONE]" { json!("[DONE]") } else { normalize(serde_json::from_str(&d).unwrap()) })
+        .collect();
+    snapshot("completion_stream", &json!(events));
+    snapshot("refusal", &s.json("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "n": 2})).1);
 }

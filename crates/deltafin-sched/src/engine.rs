@@ -27,7 +27,6 @@ pub struct EngineOptions {
     pub prefetch: bool,
 }
 
-
 /// What one forward pass did, for the stats.
 #[derive(Clone, Debug, Default)]
 pub struct ForwardReport {

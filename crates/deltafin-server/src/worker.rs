@@ -108,6 +108,12 @@ fn extends(s: &Sequence, prompt: &[u32], max_tokens: usize) -> bool {
 }
 
 fn run(model: &LoadedModel, kept: &mut Kept, job: Job, metrics: &Metrics) {
+    // Fault injection for the test that a panicking generation leaves the server up.
+    if let Some(id) = std::env::var("DELTAFIN_FAULT_PANIC_ON_TOKEN").ok().and_then(|v| v.parse::<u32>().ok()) {
+        if job.prompt.contains(&id) {
+            panic!("injected fault: prompt contains token {id}");
+        }
+    }
     let full = kept.full.take();
     let snap = kept.prompt.take();
     let mut seq = match (full, snap) {
