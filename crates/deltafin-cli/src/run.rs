@@ -32,6 +32,9 @@ pub struct ModelArgs {
     /// Concurrent expert reads per drive.
     #[arg(long, default_value_t = 4)]
     pub queue_depth: usize,
+    /// Read each expert whole from one drive, even where several drives hold copies.
+    #[arg(long)]
+    pub no_split_reads: bool,
     /// Expert cache eviction: `next-use` (furthest next use first) or `lru`.
     #[arg(long, default_value = "next-use", value_parser = ["next-use", "lru"])]
     pub cache_policy: String,
@@ -51,6 +54,7 @@ impl ModelArgs {
             .cache_mode(if self.page_cache { deltafin_sched::CacheMode::Buffered } else { deltafin_sched::CacheMode::Direct })
             .queue_depth(self.queue_depth)
             .pin_bytes(self.pin.unwrap_or(0))
+            .split_reads_min(if self.no_split_reads { u64::MAX } else { deltafin_store::DEFAULT_SPLIT_MIN })
             .cache_policy(if self.cache_policy == "lru" { deltafin_sched::CachePolicy::Lru } else { deltafin_sched::CachePolicy::NextUse })
             .open()
             .with_context(|| format!("opening model {}", self.model.display()))

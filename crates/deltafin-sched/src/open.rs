@@ -33,6 +33,7 @@ pub struct EngineBuilder {
     queue_depth: usize,
     pin_bytes: u64,
     policy: CachePolicy,
+    split_min: u64,
 }
 
 /// Where the RAM budget goes, in bytes.
@@ -57,6 +58,7 @@ impl EngineBuilder {
             queue_depth: 4,
             pin_bytes: 0,
             policy: CachePolicy::NextUse,
+            split_min: deltafin_store::DEFAULT_SPLIT_MIN,
         }
     }
     /// Prefetch next-layer experts guessed by the router (no effect on output).
@@ -92,6 +94,12 @@ impl EngineBuilder {
     /// Expert cache eviction policy (no effect on output).
     pub fn cache_policy(mut self, policy: CachePolicy) -> Self {
         self.policy = policy;
+        self
+    }
+    /// Split demand reads of experts at least this large over the drives holding copies
+    /// (`u64::MAX` turns splitting off; no effect on output).
+    pub fn split_reads_min(mut self, bytes: u64) -> Self {
+        self.split_min = bytes;
         self
     }
     /// Bytes of the hottest experts (from the store's heat history) to keep pinned in RAM.
@@ -196,6 +204,7 @@ impl EngineBuilder {
             expert_budget: plan.experts,
             pinned,
             policy: self.policy,
+            split_min: self.split_min,
         })?;
         let model = Model::load(cfg, &store)?;
         let store = Arc::new(store);

@@ -148,7 +148,8 @@ fn a_drive_that_disappears_or_fails_mid_run_fails_over() {
         let store = make_store(tmp.path(), 2, 2, ExpertLayoutKind::Packs);
         let m = deltafin_store::Manifest::read(&store).unwrap();
         let home1 = m.homes[1].clone();
-        let model = EngineBuilder::new(&store).ram_budget(Some(minimum_budget(&store))).open().unwrap();
+        // Split reads on (tiny experts split at page granularity) so parts fail over too.
+        let model = EngineBuilder::new(&store).ram_budget(Some(minimum_budget(&store))).split_reads_min(8192).open().unwrap();
         let got = generate(&model, &mut |n| {
             if n == 3 {
                 match failure {
@@ -172,4 +173,33 @@ fn a_drive_that_disappears_or_fails_mid_run_fails_over() {
         assert!(s.per_home[1].errors > 0, "{failure}: the failing drive was noticed: {:?}", s.per_home);
         assert!(s.per_home[0].reads > 0);
     }
+}
+
+#[test]
+fn split_reads_over_copies_give_identical_ids() {
+    let want = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = make_store(tmp.path(), 3, 3, ExpertLayoutKind::Packs);
+    let min = minimum_budget(&store);
+    for budget in [Some(min), Some(min + 20 * 16384), None] {
+        let model = EngineBuilder::new(&store).ram_budget(budget).split_reads_min(8192).open().unwrap();
+        assert_eq!(generate(&model, &mut |_| {}).unwrap(), want, "budget {budget:?}");
+        let s = model.engine().experts().stats();
+        assert!(s.per_home.iter().all(|h| h.reads > 0), "{:?}", s.per_home);
+        // Parts are counted as reads: more reads than experts fetched shows the splitting.
+        let reads: u64 = s.per_home.iter().map(|h| h.reads).sum();
+        assert!(reads > s.misses, "reads {reads} vs misses {}", s.misses);
+    }
+    // A corrupt copy is still found and named when reads are split.
+    let m = deltafin_store::Manifest::read(&store).unwrap();
+    let e = m.experts.iter().find(|e| e.layer == 1 && e.expert == 20).unwrap();
+    for c in &e.copies {
+        let path = m.copy_path(c);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[c.offset as usize + 5000] ^= 0x77;
+        std::fs::write(&path, bytes).unwrap();
+    }
+    let model = EngineBuilder::new(&store).ram_budget(Some(min)).split_reads_min(8192).open().unwrap();
+    let err = generate(&model, &mut |_| {}).err().expect("corrupt everywhere must fail").to_string();
+    assert!(err.contains("expert 1/20") && err.contains("checksum"), "{err}");
 }

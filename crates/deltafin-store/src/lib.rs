@@ -35,5 +35,5 @@ pub use crate::{
     setup::{assign_homes, drop_cache, setup, ExpertLayoutKind, LocalFiles, NoProgress, Progress, SetupOptions, SpanSource},
     source::{Delivery, ExpertSource, HomeStats, MappedExperts, Priority, SourceStats},
     store::Store,
-    streaming::{CachePolicy, ReaderOptions, StreamingExperts},
+    streaming::{CachePolicy, ReaderOptions, StreamingExperts, DEFAULT_SPLIT_MIN},
 };

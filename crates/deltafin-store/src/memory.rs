@@ -96,6 +96,11 @@ impl AlignedBuf {
     pub fn charge(len: usize) -> u64 {
         (len.div_ceil(BUF_ALIGN) * BUF_ALIGN).max(BUF_ALIGN) as u64
     }
+    /// Base pointer for split reads, whose parts fill disjoint ranges of one shared buffer.
+    /// Writing through it is `unsafe`: ranges must not overlap and nobody may read meanwhile.
+    pub(crate) fn as_ptr_for_parts(&self) -> *mut u8 {
+        self.ptr
+    }
     /// Writable view (before it is shared).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: ptr is valid for len bytes and uniquely owned here.

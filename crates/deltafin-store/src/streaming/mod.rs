@@ -7,6 +7,13 @@
 //! used entries (and wait for the engine to drop buffers if need be), prefetch reads only take
 //! free room or evict older prefetches, and give up rather than push out what the current step
 //! uses. Every read is checked against its checksum: a mismatch is never delivered as data.
+//!
+//! Where several drives hold an expert, a demand read is split into parts sized so that every
+//! drive finishes together (`split`): a layer with fewer misses than drives still uses them all.
+
+mod split;
+
+pub use split::DEFAULT_SPLIT_MIN;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -37,6 +44,9 @@ pub struct ReaderOptions {
     pub pinned: Vec<(usize, u32)>,
     /// Which cached expert to drop first.
     pub policy: CachePolicy,
+    /// Demand reads of experts at least this large are split over the drives holding copies
+    /// (`u64::MAX`: never split).
+    pub split_min: u64,
 }
 
 /// Eviction policy of the expert cache.
@@ -64,11 +74,22 @@ struct Inflight {
     tried: Vec<usize>,
     /// A reader thread has taken the job (a duplicate queue entry must not read it again).
     started: bool,
+    /// Set when the read is split into parts over several drives.
+    split: Option<split::Split>,
+}
+
+/// A queued read: a whole expert, or one part of a split read.
+#[derive(Clone, Copy, Debug)]
+struct Job {
+    key: Key,
+    part: Option<usize>,
+    /// Bytes this job adds to its home's backlog.
+    len: u64,
 }
 
 /// Why a read produced no bytes.
 enum ReadFail {
-    /// A prefetch that found no room in the budget.
+    /// No room in the budget right now (a prefetch is dropped, a demand read requeued).
     Cancelled,
     /// The drive or file failed.
     Io(String),
@@ -81,8 +102,8 @@ struct Home {
     queued_bytes: u64,
     quarantined_until: Option<Instant>,
     backoff: Duration,
-    demand: VecDeque<Key>,
-    prefetch: VecDeque<Key>,
+    demand: VecDeque<Job>,
+    prefetch: VecDeque<Job>,
 }
 
 struct State {
@@ -246,15 +267,16 @@ impl Inner {
         let len = e.len;
         let h = &mut st.homes[home];
         h.queued_bytes += len;
+        let job = Job { key, part: None, len };
         match priority {
-            Priority::Demand => h.demand.push_back(key),
-            Priority::Prefetch => h.prefetch.push_back(key),
+            Priority::Demand => h.demand.push_back(job),
+            Priority::Prefetch => h.prefetch.push_back(job),
         }
     }
 
     fn worker(self: Arc<Self>, home: usize) {
         loop {
-            let (key, priority, copy) = {
+            let (job, priority, copy) = {
                 let mut st = self.state.lock().expect("poisoned");
                 loop {
                     if st.shutdown {
@@ -266,38 +288,47 @@ impl Inner {
                         .pop_front()
                         .map(|k| (k, Priority::Demand))
                         .or_else(|| h.prefetch.pop_front().map(|k| (k, Priority::Prefetch)));
-                    if let Some((k, p)) = next {
-                        match st.inflight.get_mut(&k) {
-                            // A cancelled prefetch, or a duplicate of a job already taken: skip.
+                    let Some((job, p)) = next else {
+                        st = self.work.wait(st).expect("poisoned");
+                        continue;
+                    };
+                    let take = match st.inflight.get_mut(&job.key) {
+                        // A cancelled prefetch, or a duplicate of a job already taken: skip.
+                        None => None,
+                        Some(inf) => match job.part {
+                            Some(part) => split::take_part(inf, part),
+                            None if inf.started || inf.split.is_some() => None,
                             None => {
-                                let len = self.entry(k).len;
-                                st.homes[home].queued_bytes -= len;
-                                continue;
-                            }
-                            Some(inf) if inf.started => {
-                                let len = self.entry(k).len;
-                                st.homes[home].queued_bytes -= len;
-                                continue;
-                            }
-                            Some(inf) => {
                                 inf.started = true;
-                                let p = p.min(inf.priority);
-                                let copy =
-                                    self.entry(k).copies.iter().position(|c| c.home == home).expect("queued on a home holding a copy");
-                                break (k, p, copy);
+                                let copy = self
+                                    .entry(job.key)
+                                    .copies
+                                    .iter()
+                                    .position(|c| c.home == home)
+                                    .expect("queued on a home holding a copy");
+                                Some((p.min(inf.priority), copy))
                             }
-                        }
+                        },
+                    };
+                    match take {
+                        Some((p, copy)) => break (job, p, copy),
+                        None => st.homes[home].queued_bytes -= job.len,
                     }
-                    st = self.work.wait(st).expect("poisoned");
                 }
             };
-            let result = self.read_one(key, priority, copy);
-            self.finish(home, key, copy, result);
+            match job.part {
+                Some(part) => self.run_part(home, job, part, priority, copy),
+                None => {
+                    let result = self.read_one(job.key, priority, copy);
+                    self.finish(home, job.key, copy, result);
+                }
+            }
         }
     }
 
-    /// Makes room for `n` bytes: evicts least recently used entries (for a prefetch, only
-    /// entries not used in the current step) and, for demand, waits for buffers to be dropped.
+    /// Makes room for `n` bytes by evicting in policy order (a prefetch only displaces what is
+    /// needed later than itself). Never waits: a reader thread that blocked on memory could hold
+    /// up the very part whose completion would free it; the caller requeues instead.
     /// How soon an expert of `layer` will be needed again, in layers, when the engine is at
     /// `current`: later layers of this token first, then this token's earlier layers next token.
     fn next_use(&self, layer: usize, current: usize) -> usize {
@@ -357,11 +388,9 @@ impl Inner {
                         }
                         continue;
                     }
-                    None if priority == Priority::Prefetch => return false,
-                    None => {}
+                    None => return false,
                 }
             }
-            self.budget.wait_for_release(Duration::from_millis(20));
         }
     }
 
@@ -370,6 +399,10 @@ impl Inner {
         let c = &e.copies[copy];
         let (start, end) = aligned_window(c.offset, e.len);
         if !self.reserve(AlignedBuf::charge((end - start) as usize), key, priority) {
+            if priority == Priority::Demand {
+                // Requeued by `finish`; give the engine a moment to drop a buffer first.
+                self.budget.wait_for_release(Duration::from_millis(5));
+            }
             return Err(ReadFail::Cancelled);
         }
         let mut buf = AlignedBuf::new_reserved((end - start) as usize, self.budget.clone());
@@ -387,31 +420,40 @@ impl Inner {
         Ok((bytes, secs))
     }
 
+    /// Records a successful read of `len` bytes from `home` in `secs`.
+    fn note_read(st: &mut State, home: usize, len: u64, secs: f64) {
+        let h = &mut st.homes[home];
+        h.stats.reads += 1;
+        h.stats.bytes += len;
+        let rate = len as f64 / secs.max(1e-6);
+        h.stats.rate = if h.stats.rate == 0.0 { rate } else { 0.8 * h.stats.rate + 0.2 * rate };
+        h.backoff = Duration::from_millis(100);
+        h.quarantined_until = None;
+        st.stats.bytes_read += len;
+    }
+
+    /// Hands verified bytes to everyone waiting and caches them.
+    fn deliver(st: &mut State, key: Key, bytes: Bytes) {
+        st.clock += 1;
+        let clock = st.clock;
+        let waiters = st.inflight.remove(&key).map(|i| i.waiters).unwrap_or_default();
+        let unused_prefetch = waiters.is_empty();
+        for w in &waiters {
+            let _ = w.send((key.1, Ok(bytes.clone())));
+        }
+        st.cache.insert(key, CacheEntry { bytes, last_use: clock, unused_prefetch, pinned: false });
+        let held: u64 = st.cache.values().map(|c| c.bytes.len() as u64).sum();
+        st.stats.cache_peak_bytes = st.stats.cache_peak_bytes.max(held);
+    }
+
     fn finish(&self, home: usize, key: Key, copy: usize, result: Result<(Bytes, f64), ReadFail>) {
         let len = self.entry(key).len;
         let mut st = self.state.lock().expect("poisoned");
         st.homes[home].queued_bytes -= len;
         match result {
             Ok((bytes, secs)) => {
-                let h = &mut st.homes[home];
-                h.stats.reads += 1;
-                h.stats.bytes += len;
-                let rate = len as f64 / secs.max(1e-6);
-                h.stats.rate = if h.stats.rate == 0.0 { rate } else { 0.8 * h.stats.rate + 0.2 * rate };
-                h.backoff = Duration::from_millis(100);
-                h.quarantined_until = None;
-                st.stats.bytes_read += len;
-                st.clock += 1;
-                let clock = st.clock;
-                // No entry means nobody waits (a guess); it still lands in the cache.
-                let waiters = st.inflight.remove(&key).map(|i| i.waiters).unwrap_or_default();
-                let unused_prefetch = waiters.is_empty();
-                for w in &waiters {
-                    let _ = w.send((key.1, Ok(bytes.clone())));
-                }
-                st.cache.insert(key, CacheEntry { bytes, last_use: clock, unused_prefetch, pinned: false });
-                let held: u64 = st.cache.values().map(|c| c.bytes.len() as u64).sum();
-                st.stats.cache_peak_bytes = st.stats.cache_peak_bytes.max(held);
+                Self::note_read(&mut st, home, len, secs);
+                Self::deliver(&mut st, key, bytes);
             }
             Err(ReadFail::Cancelled) => {
                 // A prefetch that found no room: forget it (nobody waits for it).
@@ -523,9 +565,12 @@ impl ExpertSource for StreamingExperts {
                 inf.priority = inf.priority.min(priority);
                 continue;
             }
+            if priority == Priority::Demand && inner.start_split(&mut st, key, tx.clone()) {
+                continue;
+            }
             match inner.choose_copy(&st, key, &[]) {
                 Some(copy) => {
-                    st.inflight.insert(key, Inflight { waiters: vec![tx.clone()], priority, tried: vec![], started: false });
+                    st.inflight.insert(key, Inflight { waiters: vec![tx.clone()], priority, tried: vec![], started: false, split: None });
                     inner.enqueue(&mut st, key, copy, priority);
                 }
                 None => {
@@ -547,7 +592,8 @@ impl ExpertSource for StreamingExperts {
                 continue;
             }
             if let Some(copy) = inner.choose_copy(&st, key, &[]) {
-                st.inflight.insert(key, Inflight { waiters: vec![], priority: Priority::Prefetch, tried: vec![], started: false });
+                st.inflight
+                    .insert(key, Inflight { waiters: vec![], priority: Priority::Prefetch, tried: vec![], started: false, split: None });
                 inner.enqueue(&mut st, key, copy, Priority::Prefetch);
                 st.stats.prefetch_issued += 1;
             }

@@ -1,0 +1,254 @@
+//! Split reads: one expert read in parts from several drives at once.
+//!
+//! When every copy of an expert sits at an aligned offset and two or more drives hold it, a
+//! demand read is cut into page-aligned parts sized so that each drive, given what it already has
+//! queued and its measured rate, finishes at the same moment. The parts land in one buffer; when
+//! the last arrives the whole expert is checked against its checksum. A failing part moves to
+//! another drive; a checksum mismatch falls back to whole reads, copy by copy, so a corrupt copy
+//! is found and reported exactly as without splitting.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use deltafin_core::Bytes;
+
+use super::{Inflight, Inner, Job, Key, State, DEFAULT_RATE};
+use crate::memory::{AlignedBuf, BUF_ALIGN};
+use crate::reader::{open_for_read, read_aligned};
+use crate::source::{Delivery, Priority};
+
+/// Default for `ReaderOptions::split_min`: experts smaller than this are read whole (splitting
+/// them only adds requests); parts are at least a quarter of it.
+pub const DEFAULT_SPLIT_MIN: u64 = 2 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Run {
+    Queued,
+    Running,
+    Done,
+}
+
+#[derive(Debug)]
+struct Part {
+    copy: usize,
+    start: u64,
+    len: u64,
+    run: Run,
+}
+
+/// The parts of one split read and the buffer they fill.
+pub(super) struct Split {
+    parts: Vec<Part>,
+    buf: Option<Arc<AlignedBuf>>,
+    allocating: bool,
+}
+
+/// Marks part `part` taken by a reader of `home`; `None` if it is not (or no longer) queued there.
+pub(super) fn take_part(inf: &mut Inflight, part: usize) -> Option<(Priority, usize)> {
+    let split = inf.split.as_mut()?;
+    let p = split.parts.get_mut(part)?;
+    if p.run != Run::Queued {
+        return None;
+    }
+    p.run = Run::Running;
+    Some((Priority::Demand, p.copy))
+}
+
+impl Inner {
+    /// Plans and queues a split read of `key` for `waiter`; `false` if it should be read whole.
+    pub(super) fn start_split(&self, st: &mut State, key: Key, waiter: Sender<Delivery>) -> bool {
+        let e = self.entry(key);
+        let now = Instant::now();
+        let usable: Vec<usize> =
+            (0..e.copies.len()).filter(|&i| st.homes[e.copies[i].home].quarantined_until.is_none_or(|t| t <= now)).collect();
+        let min = self.opts.split_min;
+        if min == u64::MAX || usable.len() < 2 || e.len < min || e.copies.iter().any(|c| c.offset % BUF_ALIGN as u64 != 0) {
+            return false;
+        }
+        // Equal finish times: (queued_h + s_h) / rate_h = T for every drive, sum s_h = len.
+        let rate = |i: usize| {
+            let r = st.homes[e.copies[i].home].stats.rate;
+            if r > 0.0 {
+                r
+            } else {
+                DEFAULT_RATE
+            }
+        };
+        let total_rate: f64 = usable.iter().map(|&i| rate(i)).sum();
+        let backlog: f64 = usable.iter().map(|&i| st.homes[e.copies[i].home].queued_bytes as f64).sum();
+        let t = (e.len as f64 + backlog) / total_rate;
+        let mut sizes: Vec<(usize, u64)> = usable
+            .iter()
+            .map(|&i| {
+                let want = (t * rate(i) - st.homes[e.copies[i].home].queued_bytes as f64).max(0.0) as u64;
+                (i, want / BUF_ALIGN as u64 * BUF_ALIGN as u64)
+            })
+            .filter(|&(_, s)| s >= (min / 4).max(BUF_ALIGN as u64))
+            .collect();
+        if sizes.len() < 2 {
+            return false;
+        }
+        // Rounding leftovers go to the last part; it also carries the unaligned tail.
+        let assigned: u64 = sizes[..sizes.len() - 1].iter().map(|s| s.1).sum();
+        let last = sizes.len() - 1;
+        sizes[last].1 = e.len - assigned;
+        let mut parts = Vec::new();
+        let mut start = 0;
+        for (copy, len) in sizes {
+            parts.push(Part { copy, start, len, run: Run::Queued });
+            start += len;
+        }
+        for (n, p) in parts.iter().enumerate() {
+            let home = e.copies[p.copy].home;
+            st.homes[home].queued_bytes += p.len;
+            st.homes[home].demand.push_back(Job { key, part: Some(n), len: p.len });
+        }
+        let split = Split { parts, buf: None, allocating: false };
+        st.inflight
+            .insert(key, Inflight { waiters: vec![waiter], priority: Priority::Demand, tried: vec![], started: true, split: Some(split) });
+        true
+    }
+
+    /// Gets (or allocates, once) the buffer all parts of `key` write into.
+    fn split_buffer(&self, key: Key, window: u64) -> Option<Arc<AlignedBuf>> {
+        let mut st = self.state.lock().expect("poisoned");
+        loop {
+            let split = st.inflight.get_mut(&key)?.split.as_mut()?;
+            if let Some(b) = &split.buf {
+                return Some(b.clone());
+            }
+            if !split.allocating {
+                split.allocating = true;
+                drop(st);
+                let ok = self.reserve(AlignedBuf::charge(window as usize), key, Priority::Demand);
+                let buf = ok.then(|| Arc::new(AlignedBuf::new_reserved(window as usize, self.budget.clone())));
+                let mut st = self.state.lock().expect("poisoned");
+                let split = st.inflight.get_mut(&key).and_then(|i| i.split.as_mut());
+                let out = match (split, buf) {
+                    (Some(s), Some(b)) => {
+                        s.buf = Some(b.clone());
+                        s.allocating = false;
+                        Some(b)
+                    }
+                    (Some(s), None) => {
+                        s.allocating = false;
+                        None
+                    }
+                    (None, _) => None,
+                };
+                drop(st);
+                self.work.notify_all();
+                return out;
+            }
+            st = self.work.wait_timeout(st, Duration::from_millis(50)).expect("poisoned").0;
+        }
+    }
+
+    /// Reads part `part` of a split read on `home` and completes the expert when it is the last.
+    pub(super) fn run_part(&self, home: usize, job: Job, part: usize, _priority: Priority, copy: usize) {
+        let key = job.key;
+        let e = self.entry(key);
+        let window = e.len.div_ceil(BUF_ALIGN as u64) * BUF_ALIGN as u64;
+        let Some(buf) = self.split_buffer(key, window) else {
+            // No room yet: put the part back and let other jobs (which may free memory) run.
+            let mut st = self.state.lock().expect("poisoned");
+            if let Some(p) = st.inflight.get_mut(&key).and_then(|i| i.split.as_mut()).and_then(|s| s.parts.get_mut(part)) {
+                p.run = Run::Queued;
+                st.homes[home].demand.push_back(job);
+            } else {
+                st.homes[home].queued_bytes -= job.len;
+            }
+            drop(st);
+            self.work.notify_all();
+            self.budget.wait_for_release(Duration::from_millis(5));
+            return;
+        };
+        let (start, len) = {
+            let st = self.state.lock().expect("poisoned");
+            match st.inflight.get(&key).and_then(|i| i.split.as_ref()).and_then(|s| s.parts.get(part)) {
+                Some(p) => (p.start, p.len),
+                None => {
+                    drop(st);
+                    self.state.lock().expect("poisoned").homes[home].queued_bytes -= job.len;
+                    return;
+                }
+            }
+        };
+        let c = &e.copies[copy];
+        let path = self.manifest.copy_path(c);
+        let t0 = Instant::now();
+        let room = (window - start) as usize;
+        // SAFETY: each part writes only [start, start + room) of the shared buffer, and parts
+        // cover disjoint ranges (start is page-aligned and parts do not overlap); nobody reads the
+        // buffer before every part is done.
+        let dst = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr_for_parts().add(start as usize), room) };
+        let result = open_for_read(&path, self.opts.cache_mode)
+            .and_then(|(f, _)| read_aligned(&f, c.offset + start, len, dst))
+            .map_err(|err| format!("{}: {err}", path.display()));
+        let secs = t0.elapsed().as_secs_f64();
+        let mut st = self.state.lock().expect("poisoned");
+        st.homes[home].queued_bytes -= job.len;
+        let Some(inf) = st.inflight.get_mut(&key) else { return };
+        let Some(split) = inf.split.as_mut() else { return };
+        match result {
+            Ok(_) => {
+                split.parts[part].run = Run::Done;
+                let done = split.parts.iter().all(|p| p.run == Run::Done);
+                Self::note_read(&mut st, home, len, secs);
+                if done {
+                    let owner: Arc<dyn deltafin_core::ByteOwner> = buf;
+                    let bytes = Bytes::new(owner, 0, e.len as usize);
+                    if crate::manifest::checksum(bytes.as_slice()) == e.xxh3 {
+                        Self::deliver(&mut st, key, bytes);
+                    } else {
+                        // Which copy is bad is unknown: read whole, copy by copy.
+                        eprintln!("deltafin: split read of expert {}/{} failed its checksum; re-reading whole copies", key.0, key.1);
+                        let inf = st.inflight.get_mut(&key).expect("present");
+                        inf.split = None;
+                        inf.started = false;
+                        if let Some(first) = self.choose_copy(&st, key, &[]) {
+                            self.enqueue(&mut st, key, first, Priority::Demand);
+                        }
+                    }
+                }
+            }
+            Err(msg) => {
+                let h = &mut st.homes[home];
+                h.stats.errors += 1;
+                h.quarantined_until = Some(Instant::now() + h.backoff);
+                h.backoff = (h.backoff * 2).min(Duration::from_secs(30));
+                eprintln!("deltafin: part of expert {}/{} failed ({msg}); reading it from another drive", key.0, key.1);
+                let now = Instant::now();
+                let next = e
+                    .copies
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, c)| *i != copy && st.homes[c.home].quarantined_until.is_none_or(|t| t <= now))
+                    .min_by_key(|(_, c)| st.homes[c.home].queued_bytes)
+                    .map(|(i, _)| i);
+                let inf = st.inflight.get_mut(&key).expect("present");
+                let split = inf.split.as_mut().expect("split");
+                match next {
+                    Some(n) => {
+                        let p = &mut split.parts[part];
+                        p.copy = n;
+                        p.run = Run::Queued;
+                        let other = e.copies[n].home;
+                        st.homes[other].queued_bytes += len;
+                        st.homes[other].demand.push_front(Job { key, part: Some(part), len });
+                    }
+                    None => {
+                        let inf = st.inflight.remove(&key).expect("present");
+                        for w in &inf.waiters {
+                            let _ =
+                                w.send((key.1, Err(crate::Error::Unavailable { layer: key.0, expert: key.1 as usize, last: msg.clone() })));
+                        }
+                    }
+                }
+            }
+        }
+        drop(st);
+        self.work.notify_all();
+    }
+}
