@@ -200,6 +200,6 @@ fn split_reads_over_copies_give_identical_ids() {
         std::fs::write(&path, bytes).unwrap();
     }
     let model = EngineBuilder::new(&store).ram_budget(Some(min)).split_reads_min(8192).open().unwrap();
-    let err = generate(&model, &mut |_| {}).err().expect("corrupt everywhere must fail").to_string();
+    let err = generate(&model, &mut |_| {}).expect_err("corrupt everywhere must fail").to_string();
     assert!(err.contains("expert 1/20") && err.contains("checksum"), "{err}");
 }

@@ -99,6 +99,9 @@ enum ReadFail {
 
 struct Home {
     stats: HomeStats,
+    busy_until: Option<Instant>,
+    busy_secs: f64,
+    busy_bytes: f64,
     queued_bytes: u64,
     quarantined_until: Option<Instant>,
     backoff: Duration,
@@ -157,6 +160,9 @@ impl StreamingExperts {
             .iter()
             .map(|p| Home {
                 stats: HomeStats { path: p.display().to_string(), ..Default::default() },
+                busy_until: None,
+                busy_secs: 0.0,
+                busy_bytes: 0.0,
                 queued_bytes: 0,
                 quarantined_until: None,
                 backoff: Duration::from_millis(100),
@@ -425,8 +431,26 @@ impl Inner {
         let h = &mut st.homes[home];
         h.stats.reads += 1;
         h.stats.bytes += len;
-        let rate = len as f64 / secs.max(1e-6);
-        h.stats.rate = if h.stats.rate == 0.0 { rate } else { 0.8 * h.stats.rate + 0.2 * rate };
+        // A drive's rate is bytes over the time it was busy (the union of its reads' intervals),
+        // not the mean of per-read rates: concurrent reads each see a fraction of the drive.
+        let end = Instant::now();
+        let start = end - Duration::from_secs_f64(secs);
+        let busy = match h.busy_until {
+            Some(u) if u >= end => 0.0,
+            Some(u) if u > start => (end - u).as_secs_f64(),
+            _ => secs,
+        };
+        h.busy_until = Some(h.busy_until.map_or(end, |u| u.max(end)));
+        h.busy_secs += busy;
+        h.busy_bytes += len as f64;
+        if h.busy_bytes > 2e9 {
+            // Forget slowly, so a drive that changes speed is re-measured.
+            h.busy_bytes /= 2.0;
+            h.busy_secs /= 2.0;
+        }
+        if h.busy_secs > 0.0 {
+            h.stats.rate = h.busy_bytes / h.busy_secs;
+        }
         h.backoff = Duration::from_millis(100);
         h.quarantined_until = None;
         st.stats.bytes_read += len;
