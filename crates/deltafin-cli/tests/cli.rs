@@ -144,6 +144,9 @@ fn setup_killed_midway_resumes_to_an_identical_store_and_runs_within_budget() {
     assert_eq!(v["prompt_tokens"], 27);
     assert_eq!(v["generated_tokens"], 16);
     assert!(v["expert_bytes_read"].as_u64().unwrap() > 0);
+    // Peak RSS stays within the budget plus the stated process overhead (64 MiB).
+    let rss = v["peak_rss_bytes"].as_u64().unwrap();
+    assert!(rss <= 32_000_000 + (64 << 20), "peak RSS {rss} exceeds the 32M budget + 64 MiB overhead");
     // Doctor notices damage and exits non-zero.
     let m: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("store/manifest.json")).unwrap()).unwrap();
     let e = &m["experts"][0]["copies"][0];

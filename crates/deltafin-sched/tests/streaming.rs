@@ -203,3 +203,23 @@ fn split_reads_over_copies_give_identical_ids() {
     let err = generate(&model, &mut |_| {}).expect_err("corrupt everywhere must fail").to_string();
     assert!(err.contains("expert 1/20") && err.contains("checksum"), "{err}");
 }
+
+#[test]
+fn pinned_hot_tier_from_heat_history_serves_hits_without_changing_ids() {
+    let want = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = make_store(tmp.path(), 1, 1, ExpertLayoutKind::Packs);
+    let min = minimum_budget(&store);
+    let budget = Some(min + 40 * 16384);
+    let cold = EngineBuilder::new(&store).ram_budget(budget).open().unwrap();
+    assert_eq!(generate(&cold, &mut |_| {}).unwrap(), want);
+    let cold_hits = cold.engine().experts().stats().hits;
+    cold.save_heat().unwrap();
+    assert!(store.join("heat.json").exists());
+    // Pin the 24 hottest experts (about 24 x 12 KiB aligned).
+    let pinned = EngineBuilder::new(&store).ram_budget(budget).pin_bytes(24 * 16384).open().unwrap();
+    let before = pinned.engine().experts().stats();
+    assert_eq!(generate(&pinned, &mut |_| {}).unwrap(), want);
+    let after = pinned.engine().experts().stats();
+    assert!(after.hits - before.hits > cold_hits, "pinned experts are served from RAM ({} vs {cold_hits} hits)", after.hits - before.hits);
+}
