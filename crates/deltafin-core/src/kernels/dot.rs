@@ -11,11 +11,19 @@ pub enum Isa {
     Scalar,
     Avx2,
     Avx512,
+    /// aarch64 Advanced SIMD.
+    Neon,
 }
 
 impl Isa {
     /// The fastest kernel this CPU supports.
     pub fn best() -> Isa {
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("neon") {
+                return Isa::Neon;
+            }
+        }
         #[cfg(target_arch = "x86_64")]
         {
             if std::is_x86_feature_detected!("avx512f") {
@@ -30,6 +38,12 @@ impl Isa {
     /// Every kernel this CPU can run (for tests).
     pub fn available() -> Vec<Isa> {
         let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("neon") {
+                v.push(Isa::Neon);
+            }
+        }
         #[cfg(target_arch = "x86_64")]
         {
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
@@ -64,6 +78,9 @@ pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u8]) -> f32 {
         Isa::Avx2 => unsafe { x86::dot_bf16_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { x86::dot_bf16_avx512(x, w) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: `Isa::Neon` is only constructed after feature detection.
+        Isa::Neon => unsafe { super::neon::dot_bf16_neon(x, w) },
         _ => dot_bf16_scalar(x, w, 0, [0.0; LANES]),
     }
 }
@@ -76,6 +93,9 @@ pub fn dot_f32(isa: Isa, x: &[f32], w: &[f32]) -> f32 {
         Isa::Avx2 => unsafe { x86::dot_f32_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { x86::dot_f32_avx512(x, w) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as above.
+        Isa::Neon => unsafe { super::neon::dot_f32_neon(x, w) },
         _ => dot_f32_scalar(x, w, 0, [0.0; LANES]),
     }
 }

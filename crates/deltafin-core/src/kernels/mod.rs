@@ -9,6 +9,8 @@
 mod dot;
 mod matmul;
 mod mxfp4;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 pub use dot::{dot_bf16, dot_f32, Isa, LANES};
 pub use matmul::{matmul_bf16, matmul_bf16_with};

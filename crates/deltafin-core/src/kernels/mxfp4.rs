@@ -50,6 +50,9 @@ pub fn dot_mxfp4(isa: Isa, xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
         Isa::Avx2 => unsafe { x86::dot_mxfp4_avx2(xp, packed, scales) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { x86::dot_mxfp4_avx512(xp, packed, scales) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is only selected after feature detection.
+        Isa::Neon => unsafe { super::neon::dot_mxfp4_neon(xp, packed, scales) },
         _ => dot_mxfp4_scalar(xp, packed, scales),
     }
 }
