@@ -40,6 +40,18 @@ pub fn generate(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize) -> Re
     Ok((ids, stats))
 }
 
+/// The same generation with every weight in RAM (the checkpoint's memory maps, page cache warmed
+/// by a first run): what the computation alone costs.
+pub fn in_ram(ckpt: &Path, prompt: &[u32], new: usize) -> Result<Stats> {
+    let model = EngineBuilder::new(ckpt).context(prompt.len() + new + 8).open()?;
+    let run = || {
+        let mut seq = model.new_sequence();
+        model.engine().generate(&mut seq, prompt, &GenerateOptions { max_new: new, ..Default::default() }, |_| true)
+    };
+    run()?;
+    Ok(run()?)
+}
+
 /// min, median, max.
 pub fn spread(v: &[f64]) -> (f64, f64, f64) {
     let mut s = v.to_vec();
@@ -62,11 +74,16 @@ pub struct DecodeResult {
     pub prefetch_issued: u64,
     pub prefetch_wasted_bytes: u64,
     pub ids_equal: bool,
+    /// Median step time / max(read time at the device limit, compute-only step time).
+    pub vs_bound: f64,
 }
 
-pub fn decode(store: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec<DecodeResult>> {
+/// Decode results plus the compute-only step time (seconds per token, everything in RAM).
+pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, limit: f64, quick: bool) -> Result<(Vec<DecodeResult>, f64)> {
     let (new, repeats) = if quick { (6, 2) } else { (16, 3) };
     let p = prompt(8, vocab);
+    let compute_step = 1.0 / in_ram(ckpt, &p, new)?.decode_tok_s.max(1e-9);
+    eprintln!("decode compute-only: {compute_step:.3} s/token");
     let configs = [
         RunConfig { label: "next-use".into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk: None },
         RunConfig { label: "next-use+prefetch".into(), budget, prefetch: true, policy: CachePolicy::NextUse, chunk: None },
@@ -87,6 +104,7 @@ pub fn decode(store: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec<
             prefetch_issued: 0,
             prefetch_wasted_bytes: 0,
             ids_equal: true,
+            vs_bound: 0.0,
         };
         for _ in 0..repeats {
             let (ids, s) = generate(store, c, &p, new)?;
@@ -105,10 +123,19 @@ pub fn decode(store: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec<
             r.prefetch_issued = s.prefetch_issued;
             r.prefetch_wasted_bytes = s.prefetch_wasted_bytes;
         }
-        eprintln!("decode {}: {:?} tok/s, {:.0} MB/token, hit {:.1}%", c.label, r.tok_s, r.bytes_per_token / 1e6, 100.0 * r.hit_rate);
+        let step = 1.0 / spread(&r.tok_s).1.max(1e-9);
+        r.vs_bound = step / (r.bytes_per_token / limit).max(compute_step);
+        eprintln!(
+            "decode {}: {:?} tok/s, {:.0} MB/token, hit {:.1}%, {:.2}x the bound",
+            c.label,
+            r.tok_s,
+            r.bytes_per_token / 1e6,
+            100.0 * r.hit_rate,
+            r.vs_bound
+        );
         out.push(r);
     }
-    Ok(out)
+    Ok((out, compute_step))
 }
 
 /// Per-prompt-length prefill summary.
@@ -121,9 +148,13 @@ pub struct PrefillResult {
     pub bytes_read: u64,
     pub distinct_bytes: u64,
     pub ids_equal: bool,
+    /// Compute-only time to first token (everything in RAM).
+    pub compute_s: f64,
+    /// Median TTFT / (distinct bytes at the device limit + compute-only TTFT).
+    pub vs_bound: f64,
 }
 
-pub fn prefill(store: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec<PrefillResult>> {
+pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, limit: f64, quick: bool) -> Result<Vec<PrefillResult>> {
     let lengths: &[usize] = if quick { &[64] } else { &[64, 256, 512] };
     let repeats = if quick { 1 } else { 2 };
     let mut out = Vec::new();
@@ -139,6 +170,7 @@ pub fn prefill(store: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec
         // Amplification is against the distinct experts the *whole* prompt routes per layer,
         // which the expert-major pass (first) measures.
         let mut distinct: Option<u64> = None;
+        let compute_s = in_ram(ckpt, &p, 1)?.ttft_s;
         for (name, chunk) in schedules {
             if chunk == Some(64) && n <= 64 {
                 continue;
@@ -152,6 +184,8 @@ pub fn prefill(store: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec
                 bytes_read: 0,
                 distinct_bytes: 0,
                 ids_equal: true,
+                compute_s,
+                vs_bound: 0.0,
             };
             let reps = if chunk == Some(1) { 1 } else { repeats };
             for _ in 0..reps {
@@ -166,7 +200,11 @@ pub fn prefill(store: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec
                 r.distinct_bytes = d;
                 r.amplification = s.expert_bytes_read_prefill as f64 / d.max(1) as f64;
             }
-            eprintln!("prefill {n} tokens, {name}: TTFT {:?} s, amplification {:.2}", r.ttft_s, r.amplification);
+            r.vs_bound = spread(&r.ttft_s).1 / (r.distinct_bytes as f64 / limit + compute_s);
+            eprintln!(
+                "prefill {n} tokens, {name}: TTFT {:?} s, amplification {:.2}, {:.2}x the bound",
+                r.ttft_s, r.amplification, r.vs_bound
+            );
             out.push(r);
         }
     }

@@ -72,10 +72,10 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
     let mut json = serde_json::Map::new();
     let budget: u64 = 1_500_000_000;
     let need_slice = matches!(which, Which::Device | Which::Decode | Which::Prefill | Which::All);
-    let (_, store) = if need_slice { ensure_model("slice")? } else { (PathBuf::new(), PathBuf::new()) };
+    let (ckpt, store) = if need_slice { ensure_model("slice")? } else { (PathBuf::new(), PathBuf::new()) };
     let vocab = 16384;
     let mut device_limit = None;
-    if matches!(which, Which::Device | Which::Decode | Which::All) {
+    if matches!(which, Which::Device | Which::Decode | Which::Prefill | Which::All) {
         let d = device::run(&store, quick)?;
         let limit = d.iter().find(|r| r.queue_depth == 4).map(|r| r.bytes_per_s).unwrap_or(0.0);
         device_limit = Some(limit);
@@ -97,9 +97,9 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
     }
     if matches!(which, Which::Decode | Which::All) {
         let limit = device_limit.unwrap_or(1.0);
-        let d = engine_runs::decode(&store, vocab, budget, quick)?;
+        let (d, compute_step) = engine_runs::decode(&store, &ckpt, vocab, budget, limit, quick)?;
         let mut md = format!(
-            "## Decode\n\n`cargo xtask bench decode{q}` — `slice` store (4.2 GB of experts), RAM budget {:.1} GB, 8-token prompt. Device limit in the same run: {:.0} MB/s (QD 4).\n\n| config | tok/s min / median / max | MB/token | hit rate | read wait s | compute s | read MB/s | of device limit | prefetch used/issued | prefetch wasted MB | ids equal |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "## Decode\n\n`cargo xtask bench decode{q}` — `slice` store (4.2 GB of experts), RAM budget {:.1} GB, 8-token prompt. Device limit in the same run: {:.0} MB/s (QD 4). Compute alone (everything in RAM, same run): {compute_step:.3} s/token. *vs bound* = median step time / max(MB per token at the device limit, compute-only step).\n\n| config | tok/s min / median / max | MB/token | hit rate | read wait s | compute s | read MB/s | of device limit | vs bound | prefetch used/issued | prefetch wasted MB | ids equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             budget as f64 / 1e9,
             mb(limit)
         );
@@ -107,7 +107,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
             let (a, b, c) = engine_runs::spread(&r.tok_s);
             writeln!(
                 md,
-                "| {} | {a:.2} / {b:.2} / {c:.2} | {:.0} | {:.1}% | {:.2} | {:.2} | {:.0} | {:.0}% | {}/{} | {:.0} | {} |",
+                "| {} | {a:.2} / {b:.2} / {c:.2} | {:.0} | {:.1}% | {:.2} | {:.2} | {:.0} | {:.0}% | {:.2}x | {}/{} | {:.0} | {} |",
                 r.label,
                 mb(r.bytes_per_token),
                 100.0 * r.hit_rate,
@@ -115,6 +115,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
                 r.compute_s,
                 mb(r.read_bytes_per_s),
                 100.0 * r.read_bytes_per_s / limit,
+                r.vs_bound,
                 r.prefetch_used,
                 r.prefetch_issued,
                 mb(r.prefetch_wasted_bytes as f64),
@@ -130,21 +131,28 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
         std::fs::write(bench_dir.join("decode.md"), md)?;
         json.insert(
             "decode".into(),
-            json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_fraction": r.read_bytes_per_s / limit, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
+            json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_fraction": r.read_bytes_per_s / limit, "vs_bound": r.vs_bound, "compute_only_step_s": compute_step, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
         );
     }
     if matches!(which, Which::Prefill | Which::All) {
-        let p = engine_runs::prefill(&store, vocab, budget, quick)?;
-        let mut md = format!("## Prefill\n\n`cargo xtask bench prefill{q}` — `slice` store, RAM budget {:.1} GB (far below the 4.2 GB of experts). Amplification = expert bytes read during prefill / bytes of the distinct experts the whole prompt routes per layer.\n\n| prompt tokens | schedule | TTFT s (min / median / max) | read GB | amplification | same first token |\n|---|---|---|---|---|---|\n", budget as f64 / 1e9);
+        let limit = device_limit.unwrap_or(1.0);
+        let p = engine_runs::prefill(&store, &ckpt, vocab, budget, limit, quick)?;
+        let mut md = format!(
+            "## Prefill\n\n`cargo xtask bench prefill{q}` — `slice` store, RAM budget {:.1} GB (far below the 4.2 GB of experts), device limit {:.0} MB/s (QD 4, same run). Amplification = expert bytes read during prefill / bytes of the distinct experts the whole prompt routes per layer. *vs bound* = median TTFT / (distinct bytes at the device limit + compute-only TTFT, everything in RAM).\n\n| prompt tokens | schedule | TTFT s (min / median / max) | read GB | amplification | compute-only s | vs bound | same first token |\n|---|---|---|---|---|---|---|---|\n",
+            budget as f64 / 1e9,
+            mb(limit)
+        );
         for r in &p {
             let (a, b, c) = engine_runs::spread(&r.ttft_s);
             writeln!(
                 md,
-                "| {} | {} | {a:.1} / {b:.1} / {c:.1} | {:.2} | {:.2} | {} |",
+                "| {} | {} | {a:.1} / {b:.1} / {c:.1} | {:.2} | {:.2} | {:.1} | {:.2}x | {} |",
                 r.tokens,
                 r.schedule,
                 r.bytes_read as f64 / 1e9,
                 r.amplification,
+                r.compute_s,
+                r.vs_bound,
                 r.ids_equal
             )?;
         }
@@ -160,7 +168,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
         )?;
         md += "\n![prefill](bench/prefill.svg)\n";
         std::fs::write(bench_dir.join("prefill.md"), md)?;
-        json.insert("prefill".into(), json!(p.iter().map(|r| json!({"tokens": r.tokens, "schedule": r.schedule, "ttft_s": r.ttft_s, "bytes_read": r.bytes_read, "distinct_bytes": r.distinct_bytes, "amplification": r.amplification, "ids_equal": r.ids_equal})).collect::<Vec<_>>()));
+        json.insert("prefill".into(), json!(p.iter().map(|r| json!({"tokens": r.tokens, "schedule": r.schedule, "ttft_s": r.ttft_s, "bytes_read": r.bytes_read, "distinct_bytes": r.distinct_bytes, "amplification": r.amplification, "compute_only_s": r.compute_s, "vs_bound": r.vs_bound, "ids_equal": r.ids_equal})).collect::<Vec<_>>()));
     }
     if matches!(which, Which::Ladder | Which::All) {
         let (ckpt, _) = ensure_model("slice-mini")?;

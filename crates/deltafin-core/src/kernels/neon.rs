@@ -7,7 +7,7 @@ use std::arch::aarch64::*;
 use super::dot::{dot_bf16_scalar, dot_f32_scalar, reduce_lanes, LANES};
 use super::mxfp4::e8m0_scale;
 
-#[inline(always)]
+#[target_feature(enable = "neon")]
 unsafe fn store4(a: [float32x4_t; 4]) -> [f32; LANES] {
     let mut acc = [0f32; LANES];
     // SAFETY: acc has 16 floats.
@@ -60,7 +60,7 @@ pub(crate) unsafe fn dot_bf16_neon(x: &[f32], w: &[u8]) -> f32 {
 }
 
 /// Four E2M1 codes (one per u32 lane, low 4 bits) to their exact F32 values.
-#[inline(always)]
+#[target_feature(enable = "neon")]
 unsafe fn e2m1x4(c: uint32x4_t) -> float32x4_t {
     // bit 3 sign, bits 2..1 exponent, bit 0 mantissa: e > 0 -> (1 + m/2) 2^(e-1); e = 0 -> m/2.
     let sign = vshlq_n_u32::<28>(vandq_u32(c, vdupq_n_u32(8)));
@@ -81,7 +81,12 @@ pub(crate) unsafe fn dot_mxfp4_neon(xp: &[f32], packed: &[u8], scales: &[u8]) ->
         unsafe {
             let b = vld1q_u8(packed.as_ptr().add(16 * g));
             let w16 = [vmovl_u8(vget_low_u8(b)), vmovl_u8(vget_high_u8(b))];
-            let bytes = [vmovl_u16(vget_low_u16(w16[0])), vmovl_u16(vget_high_u16(w16[0])), vmovl_u16(vget_low_u16(w16[1])), vmovl_u16(vget_high_u16(w16[1]))];
+            let bytes = [
+                vmovl_u16(vget_low_u16(w16[0])),
+                vmovl_u16(vget_high_u16(w16[0])),
+                vmovl_u16(vget_low_u16(w16[1])),
+                vmovl_u16(vget_high_u16(w16[1])),
+            ];
             let x = xp.as_ptr().add(32 * g);
             for q in 0..4 {
                 let even = vmulq_n_f32(e2m1x4(vandq_u32(bytes[q], vdupq_n_u32(15))), sc);

@@ -70,6 +70,18 @@ fn mxfp4_dot_matches_dequantized_reference_and_isas() {
 }
 
 #[test]
+fn the_cpus_simd_kernels_are_under_test() {
+    let isas = Isa::available();
+    #[cfg(target_arch = "aarch64")]
+    assert!(isas.contains(&Isa::Neon), "NEON must be exercised on aarch64: {isas:?}");
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        assert!(isas.contains(&Isa::Avx2), "{isas:?}");
+    }
+    assert_eq!(isas[0], Isa::Scalar);
+}
+
+#[test]
 fn e8m0_and_e2m1_decode() {
     assert_eq!(e8m0_scale(127), 1.0);
     assert_eq!(e8m0_scale(128), 2.0);
