@@ -45,6 +45,9 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Run the kernel and fixture tests for aarch64 under qemu (NEON), needs Debian's
+    /// qemu-user, gcc-aarch64-linux-gnu and `rustup target add aarch64-unknown-linux-gnu`.
+    TestAarch64,
     /// Make mlx-lm reference logits for random tiny configs (needs mlx[cpu] + mlx-lm).
     Oracle {
         #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5,6")]
@@ -59,6 +62,19 @@ fn main() -> Result<()> {
         Cmd::GenK3 { preset, seed, out } => xtask::gen_k3::generate(&preset, seed, &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
         Cmd::Bench { which, quick, json } => xtask::bench::run(which, quick, json.as_deref()),
+        Cmd::TestAarch64 => {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            for (pkg, extra) in [("deltafin-core", vec![]), ("deltafin-sched", vec!["--test", "fixture"])] {
+                let st = std::process::Command::new(&cargo)
+                    .args(["test", "--release", "--target", "aarch64-unknown-linux-gnu", "-p", pkg])
+                    .args(extra)
+                    .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", "aarch64-linux-gnu-gcc")
+                    .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", "qemu-aarch64 -L /usr/aarch64-linux-gnu")
+                    .status()?;
+                anyhow::ensure!(st.success(), "aarch64 tests of {pkg} failed");
+            }
+            Ok(())
+        }
         Cmd::Oracle { seeds, tokens } => xtask::oracle::run(&seeds, tokens),
     }
 }
