@@ -130,6 +130,7 @@ impl Engine {
             seq.layers = snapshot;
         } else {
             seq.ids.extend_from_slice(ids);
+            seq.last_pass = ids.len();
         }
         result
     }

@@ -87,3 +87,34 @@ fn prompt_forward_equals_token_by_token_decode_bitwise() {
         assert!(l.row(0).iter().zip(all.row(t)).all(|(x, y)| x.to_bits() == y.to_bits()), "decode row {t} differs from the prompt forward");
     }
 }
+
+#[test]
+fn a_recorded_forward_rewinds_to_any_prefix_bit_exactly() {
+    let (r, _, _) = reference();
+    let seq_ids = ids(&r["sequence_token_ids"]);
+    let (prompt, drafts) = seq_ids.split_at(20);
+    let model = EngineBuilder::new(fixture().join("checkpoint")).open().unwrap();
+    for keep in [0usize, 1, 5, drafts.len()] {
+        // Verify-style: the drafts in one recorded pass, then keep a prefix.
+        let mut a = model.new_sequence();
+        model.engine().forward(&mut a, prompt, LogitRows::Last).unwrap();
+        a.set_recording(true);
+        model.engine().forward(&mut a, drafts, LogitRows::All).unwrap();
+        a.rewind_to(model.engine().model(), prompt.len() + keep).unwrap();
+        a.set_recording(false);
+        // Reference: a sequence that only ever saw the kept tokens.
+        let mut b = model.new_sequence();
+        model.engine().forward(&mut b, &seq_ids[..prompt.len() + keep], LogitRows::Last).unwrap();
+        assert_eq!(a.ids(), b.ids());
+        // Continuing both gives the same bits.
+        let next = seq_ids[prompt.len() + keep.min(drafts.len() - 1)];
+        let (la, _) = model.engine().forward(&mut a, &[next], LogitRows::Last).unwrap();
+        let (lb, _) = model.engine().forward(&mut b, &[next], LogitRows::Last).unwrap();
+        assert!(la.data.iter().zip(&lb.data).all(|(x, y)| x.to_bits() == y.to_bits()), "keep {keep}: logits differ after rewind");
+    }
+    // Rewinding outside the latest pass is refused.
+    let mut c = model.new_sequence();
+    model.engine().forward(&mut c, prompt, LogitRows::Last).unwrap();
+    model.engine().forward(&mut c, drafts, LogitRows::Last).unwrap();
+    assert!(c.rewind_to(model.engine().model(), 3).is_err());
+}

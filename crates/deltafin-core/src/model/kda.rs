@@ -37,19 +37,86 @@ pub(crate) struct KdaWeights {
 
 /// KDA recurrent state of one layer: the last `kernel-1` raw projected inputs of q, k, v and the
 /// `[H, V, K]` delta-rule state.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct KdaState {
     /// `[3][kernel-1][channels]`, oldest first.
     pub conv: Vec<f32>,
     /// `[H][V][K]`.
     pub s: Vec<f32>,
+    /// Keep what is needed to rewind the next forward to any prefix (speculative verification).
+    pub record: bool,
+    replay: Option<Box<KdaReplay>>,
+}
+
+impl PartialEq for KdaState {
+    /// States are equal when their numbers are (the replay log is bookkeeping).
+    fn eq(&self, other: &Self) -> bool {
+        self.conv == other.conv && self.s == other.s
+    }
+}
+
+/// What a recording KDA layer keeps about its last forward: the state it started from and each
+/// token's recurrence inputs. Rewinding to a prefix of `p` tokens replays only the `O(H*K*V)`
+/// recurrence for those tokens (no projection, no expert read) with the very same operations, so
+/// the result is bit-identical to having run just the prefix.
+#[derive(Clone, Debug)]
+struct KdaReplay {
+    conv: Vec<f32>,
+    s: Vec<f32>,
+    /// Raw (pre-convolution) q, k, v projections, `[3][T*C]`.
+    raw: [Vec<f32>; 3],
+    q: Mat,
+    k: Mat,
+    v: Mat,
+    decay: Mat,
+    beta: Vec<f32>,
 }
 
 impl KdaState {
     /// The zero state.
     pub fn new(cfg: &K3Config) -> KdaState {
         let c = cfg.kda_dim();
-        KdaState { conv: vec![0.0; 3 * (cfg.conv_kernel - 1) * c], s: vec![0.0; cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim] }
+        KdaState {
+            conv: vec![0.0; 3 * (cfg.conv_kernel - 1) * c],
+            s: vec![0.0; cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim],
+            record: false,
+            replay: None,
+        }
+    }
+
+    /// Rewinds the last recorded forward so that only its first `keep` tokens count.
+    pub(crate) fn rewind(&mut self, cfg: &K3Config, isa: Isa, keep: usize) -> bool {
+        let Some(r) = self.replay.take() else { return false };
+        let (heads, d, c, kern) = (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_dim(), cfg.conv_kernel);
+        let t_len = r.beta.len() / heads;
+        if keep > t_len {
+            self.replay = Some(r);
+            return false;
+        }
+        let w = (kern - 1) * c;
+        for i in 0..3 {
+            let mut hist = r.conv[i * w..(i + 1) * w].to_vec();
+            hist.extend_from_slice(&r.raw[i][..keep * c]);
+            self.conv[i * w..(i + 1) * w].copy_from_slice(&hist[hist.len() - w..]);
+        }
+        self.s.copy_from_slice(&r.s);
+        let mut out = vec![0f32; d];
+        for (hh, s) in self.s.chunks_mut(d * d).enumerate() {
+            let sl = hh * d..(hh + 1) * d;
+            for t in 0..keep {
+                recurrent_step(
+                    isa,
+                    s,
+                    &r.q.row(t)[sl.clone()],
+                    &r.k.row(t)[sl.clone()],
+                    &r.v.row(t)[sl.clone()],
+                    &r.decay.row(t)[sl.clone()],
+                    r.beta[t * heads + hh],
+                    &mut out,
+                );
+            }
+        }
+        true
     }
     /// Bytes held.
     pub fn bytes(&self) -> usize {
@@ -84,6 +151,8 @@ impl KdaWeights {
         let (heads, d, c, kern) = (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_dim(), cfg.conv_kernel);
         let t_len = x.rows;
         let mut qkv = [matmul_bf16(x, &self.q_proj), matmul_bf16(x, &self.k_proj), matmul_bf16(x, &self.v_proj)];
+        let start =
+            state.record.then(|| (state.conv.clone(), state.s.clone(), [qkv[0].data.clone(), qkv[1].data.clone(), qkv[2].data.clone()]));
         // Causal depthwise conv over [state ; x], then SiLU; keep the last kernel-1 raw inputs.
         for (i, m) in qkv.iter_mut().enumerate() {
             let st = &mut state.conv[i * (kern - 1) * c..(i + 1) * (kern - 1) * c];
@@ -126,6 +195,20 @@ impl KdaWeights {
         let b = matmul_bf16(x, &self.b_proj);
         let beta: Vec<f32> = b.data.iter().map(|&v| sigmoid(v)).collect();
 
+        if let Some((conv, s0, raw)) = start {
+            state.replay = Some(Box::new(KdaReplay {
+                conv,
+                s: s0,
+                raw,
+                q: q.clone(),
+                k: k.clone(),
+                v: v.clone(),
+                decay: decay.clone(),
+                beta: beta.clone(),
+            }));
+        } else {
+            state.replay = None;
+        }
         // The recurrence, one head per task (heads are independent).
         let mut o = Mat::zeros(t_len, c);
         let outs: Vec<Vec<f32>> = state

@@ -42,12 +42,14 @@ pub struct MlaCache {
     pub len: usize,
     /// Most tokens this cache may hold.
     pub limit: usize,
+    /// Tokens the last forward appended (for rewinding it).
+    pub last_forward: usize,
 }
 
 impl MlaCache {
     /// An empty cache holding at most `limit` tokens.
     pub fn new(limit: usize) -> MlaCache {
-        MlaCache { latent: Vec::new(), k_pe: Vec::new(), len: 0, limit }
+        MlaCache { latent: Vec::new(), k_pe: Vec::new(), len: 0, limit, last_forward: 0 }
     }
     /// Bytes per cached token.
     pub fn bytes_per_token(cfg: &K3Config) -> usize {
@@ -99,6 +101,7 @@ impl MlaWeights {
         }
         let past = cache.len;
         cache.len += t_len;
+        cache.last_forward = t_len;
         let scale = ((nope + rope) as f32).powf(-0.5);
         let per_head = nope + vd;
         let cache_ref = &*cache;

@@ -56,6 +56,14 @@ pub enum LayerState {
 }
 
 impl LayerState {
+    /// Whether the next forward keeps what is needed to rewind it (KDA layers; MLA caches can
+    /// always be truncated).
+    pub fn set_recording(&mut self, on: bool) {
+        if let LayerState::Kda(s) = self {
+            s.record = on;
+        }
+    }
+
     /// Bytes held.
     pub fn bytes(&self, cfg: &K3Config) -> usize {
         match self {
@@ -168,6 +176,29 @@ impl Model {
         }
         let m = attn_res::mix(self.isa, &res.anchors, &res.partial, &layer.mlp_res, eps);
         Ok(rms_norm_rows(self.isa, &m, &layer.post_norm, eps))
+    }
+
+    /// Rewinds a layer's state so that only the first `keep` tokens of its last forward count.
+    /// KDA layers must have recorded that forward ([`LayerState::set_recording`]).
+    pub fn rewind(&self, state: &mut LayerState, keep: usize) -> Result<()> {
+        match state {
+            LayerState::Kda(s) => {
+                if !s.rewind(&self.config, self.isa, keep) {
+                    return Err(Error::ContextLimit(format!(
+                        "cannot rewind to {keep} tokens: the last forward was not recorded or was shorter"
+                    )));
+                }
+            }
+            LayerState::Mla(c) => {
+                if keep > c.last_forward {
+                    return Err(Error::ContextLimit(format!("cannot rewind to {keep} tokens of a {}-token forward", c.last_forward)));
+                }
+                let len = c.len - (c.last_forward - keep);
+                c.truncate(&self.config, len);
+                c.last_forward = keep;
+            }
+        }
+        Ok(())
     }
 
     /// The dense MLP of layer `l` (panics on an MoE layer: a scheduling bug).
