@@ -184,20 +184,6 @@ impl Preset {
     }
 }
 
-const RESERVED_NAMES: &[(usize, &str)] = &[
-    (0, "[BOS]"),
-    (1, "[EOS]"),
-    (2, "<|end_of_msg|>"),
-    (3, "<|open|>"),
-    (4, "<|close|>"),
-    (5, "<|sep|>"),
-    (6, "[start_header_id]"),
-    (7, "[end_header_id]"),
-    (9, "[EOT]"),
-    (254, "[UNK]"),
-    (255, "[PAD]"),
-];
-
 fn config_json(p: &Preset) -> Value {
     let n = p.bpe_ranks;
     let text = json!({
@@ -549,12 +535,8 @@ fn o200k_prefix(n: usize) -> Result<String> {
 fn tokenizer_config(p: &Preset) -> Value {
     let n = p.bpe_ranks;
     let mut added = serde_json::Map::new();
-    for off in 0..256 {
-        let name = RESERVED_NAMES
-            .iter()
-            .find(|(o, _)| *o == off)
-            .map(|(_, s)| s.to_string())
-            .unwrap_or_else(|| format!("<|reserved_token_{}|>", n + off));
+    for off in 0..deltafin_core::RESERVED {
+        let name = deltafin_core::reserved_token_name(off, n);
         added.insert(
             (n + off).to_string(),
             json!({"content": name, "lstrip": false, "normalized": false, "rstrip": false, "single_word": false, "special": true}),

@@ -37,6 +37,6 @@ pub use crate::{
         chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Residual, Route, LM_PREFIX,
     },
     tensor::Mat,
-    tokenizer::{HfTokenizer, Tokenizer, K3_PATTERN},
+    tokenizer::{reserved_token_name, HfTokenizer, Tokenizer, K3_PATTERN, RESERVED},
     weights::{bf16_to_f32, Bf16Matrix, ByteOwner, Bytes, DType, TensorBytes, TensorSource},
 };

@@ -29,6 +29,15 @@ const K3_SPECIALS: &[(usize, &str)] = &[
     (255, "[PAD]"),
 ];
 
+/// The spelling of reserved id `bpe_ranks + offset` in K3's tokenizer.
+pub fn reserved_token_name(offset: usize, bpe_ranks: usize) -> String {
+    K3_SPECIALS
+        .iter()
+        .find(|(o, _)| *o == offset)
+        .map(|(_, s)| s.to_string())
+        .unwrap_or_else(|| format!("<|reserved_token_{}|>", bpe_ranks + offset))
+}
+
 /// Number of reserved ids after the BPE ranks.
 pub const RESERVED: usize = 256;
 
@@ -90,11 +99,7 @@ impl Tokenizer {
         }
         if specials.is_empty() {
             for off in 0..RESERVED {
-                let name = K3_SPECIALS
-                    .iter()
-                    .find(|(o, _)| *o == off)
-                    .map(|(_, s)| s.to_string())
-                    .unwrap_or_else(|| format!("<|reserved_token_{}|>", n + off));
+                let name = reserved_token_name(off, n);
                 specials.insert(name, (n + off) as u32);
             }
         }

@@ -141,7 +141,8 @@ impl EngineBuilder {
             )));
         }
         let ckpt = Arc::new(Checkpoint::open(&self.path)?);
-        let tokenizer = Tokenizer::from_tiktoken(&ckpt.tiktoken_text()?, ckpt.tokenizer_config_text()?.as_deref(), K3_PATTERN)?;
+        let (ranks, tok_config) = ckpt.tokenizer_texts()?;
+        let tokenizer = Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?;
         let model = Model::load(ckpt.config().clone(), ckpt.as_ref())?;
         let experts: Arc<dyn ExpertSource> = Arc::new(MappedExperts::new(ckpt.clone())?);
         self.options.prefill_chunk = self.options.prefill_chunk.filter(|&c| c > 0);
@@ -197,7 +198,8 @@ impl EngineBuilder {
         let per = deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
         let pinned: Vec<(usize, u32)> = heat.into_iter().take((pin_cap / per) as usize).map(|(k, _)| k).collect();
         store.load_spine()?;
-        let tokenizer = Tokenizer::from_tiktoken(&store.tiktoken_text()?, store.tokenizer_config_text()?.as_deref(), K3_PATTERN)?;
+        let (ranks, tok_config) = store.tokenizer_texts()?;
+        let tokenizer = Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?;
         let experts = store.experts(ReaderOptions {
             queue_depth: self.queue_depth,
             cache_mode: self.cache_mode,

@@ -190,19 +190,9 @@ impl Checkpoint {
         Ok(Bytes::new(map, span.offset as usize, span.len as usize))
     }
 
-    /// `tiktoken.model` text.
-    pub fn tiktoken_text(&self) -> Result<String> {
-        let p = self.dir.join("tiktoken.model");
-        std::fs::read_to_string(&p).map_err(Error::io(&p))
-    }
-
-    /// `tokenizer_config.json` text, if present.
-    pub fn tokenizer_config_text(&self) -> Result<Option<String>> {
-        let p = self.dir.join("tokenizer_config.json");
-        if !p.exists() {
-            return Ok(None);
-        }
-        std::fs::read_to_string(&p).map(Some).map_err(Error::io(&p))
+    /// The texts of `tiktoken.model` and, if present, `tokenizer_config.json`.
+    pub fn tokenizer_texts(&self) -> Result<(String, Option<String>)> {
+        tokenizer_texts(&self.dir)
     }
 }
 
@@ -280,4 +270,13 @@ pub fn read_header(path: &Path, shard: usize) -> Result<BTreeMap<String, TensorE
         out.insert(name.clone(), TensorEntry { shard, dtype, shape, offset: base + a, len: b - a });
     }
     Ok(out)
+}
+
+/// Reads `tiktoken.model` and the optional `tokenizer_config.json` of a model folder.
+pub(crate) fn tokenizer_texts(dir: &Path) -> Result<(String, Option<String>)> {
+    let p = dir.join("tiktoken.model");
+    let ranks = std::fs::read_to_string(&p).map_err(Error::io(&p))?;
+    let c = dir.join("tokenizer_config.json");
+    let config = if c.exists() { Some(std::fs::read_to_string(&c).map_err(Error::io(&c))?) } else { None };
+    Ok((ranks, config))
 }

@@ -82,18 +82,9 @@ impl Store {
         Ok(())
     }
 
-    /// `tiktoken.model` text.
-    pub fn tiktoken_text(&self) -> Result<String> {
-        let p = self.dir.join("tiktoken.model");
-        std::fs::read_to_string(&p).map_err(Error::io(&p))
-    }
-    /// `tokenizer_config.json` text, if present.
-    pub fn tokenizer_config_text(&self) -> Result<Option<String>> {
-        let p = self.dir.join("tokenizer_config.json");
-        if !p.exists() {
-            return Ok(None);
-        }
-        std::fs::read_to_string(&p).map(Some).map_err(Error::io(&p))
+    /// The texts of `tiktoken.model` and, if present, `tokenizer_config.json`.
+    pub fn tokenizer_texts(&self) -> Result<(String, Option<String>)> {
+        crate::checkpoint::tokenizer_texts(&self.dir)
     }
 
     /// Starts streaming this store's experts.
