@@ -160,12 +160,10 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, limit: f64, q
     let mut out = Vec::new();
     for &n in lengths {
         let p = prompt(n, vocab);
-        // Expert-major (whole prompt), the upstream engine's 64-token chunks, and (for the
-        // shortest prompt) token by token.
+        // Expert-major (whole prompt), the upstream engine's 64-token chunks, and token by token.
         let mut schedules = vec![("expert-major", None), ("64-token chunks", Some(64))];
-        if n == lengths[0] {
-            schedules.push(("token by token", Some(1)));
-        }
+        // Token by token for every length (the quick mode has only the shortest).
+        schedules.push(("token by token", Some(1)));
         let mut want: Option<Vec<u32>> = None;
         // Amplification is against the distinct experts the *whole* prompt routes per layer,
         // which the expert-major pass (first) measures.
