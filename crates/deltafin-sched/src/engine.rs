@@ -246,6 +246,9 @@ impl Engine {
             if generated > 1 { (stats.expert_bytes_read - stats.expert_bytes_read_prefill) as f64 / (generated - 1) as f64 } else { 0.0 };
         stats.prefetch_issued = end.prefetch_issued - before.prefetch_issued;
         stats.prefetch_used = end.prefetch_used - before.prefetch_used;
+        let decode_demands = (end.hits + end.misses).saturating_sub(after_prefill.hits + after_prefill.misses);
+        stats.prefetch_recall =
+            if decode_demands > 0 { (end.prefetch_used - after_prefill.prefetch_used) as f64 / decode_demands as f64 } else { 0.0 };
         stats.prefetch_wasted_bytes = end.prefetch_wasted_bytes - before.prefetch_wasted_bytes;
         stats.per_drive = end.per_home;
         stats.peak_rss_bytes = peak_rss_bytes();

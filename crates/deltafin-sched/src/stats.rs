@@ -28,6 +28,8 @@ pub struct Stats {
     pub compute_s: f64,
     pub prefetch_issued: u64,
     pub prefetch_used: u64,
+    /// Decode expert demands that a prefetch had already fetched or started / all decode demands.
+    pub prefetch_recall: f64,
     pub prefetch_wasted_bytes: u64,
     /// Reads and bytes per drive.
     #[serde(serialize_with = "ser_homes")]

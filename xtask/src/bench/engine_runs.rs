@@ -72,6 +72,7 @@ pub struct DecodeResult {
     pub read_bytes_per_s: f64,
     pub prefetch_used: u64,
     pub prefetch_issued: u64,
+    pub prefetch_recall: f64,
     pub prefetch_wasted_bytes: u64,
     pub ids_equal: bool,
     /// Median step time / max(read time at the device limit, compute-only step time).
@@ -102,6 +103,7 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, limit: f64, qu
             read_bytes_per_s: 0.0,
             prefetch_used: 0,
             prefetch_issued: 0,
+            prefetch_recall: 0.0,
             prefetch_wasted_bytes: 0,
             ids_equal: true,
             vs_bound: 0.0,
@@ -120,6 +122,7 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, limit: f64, qu
             r.compute_s = s.compute_s;
             r.read_bytes_per_s = (s.expert_bytes_read - s.expert_bytes_read_prefill) as f64 / decode_time;
             r.prefetch_used = s.prefetch_used;
+            r.prefetch_recall = s.prefetch_recall;
             r.prefetch_issued = s.prefetch_issued;
             r.prefetch_wasted_bytes = s.prefetch_wasted_bytes;
         }

@@ -99,7 +99,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
         let limit = device_limit.unwrap_or(1.0);
         let (d, compute_step) = engine_runs::decode(&store, &ckpt, vocab, budget, limit, quick)?;
         let mut md = format!(
-            "## Decode\n\n`cargo xtask bench decode{q}` — `slice` store (4.2 GB of experts), RAM budget {:.1} GB, 8-token prompt. Device limit in the same run: {:.0} MB/s (QD 4). Compute alone (everything in RAM, same run): {compute_step:.3} s/token. *vs bound* = median step time / max(MB per token at the device limit, compute-only step).\n\n| config | tok/s min / median / max | MB/token | hit rate | read wait s | compute s | read MB/s | of device limit | vs bound | prefetch used/issued | prefetch wasted MB | ids equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "## Decode\n\n`cargo xtask bench decode{q}` — `slice` store (4.2 GB of experts), RAM budget {:.1} GB, 8-token prompt. Device limit in the same run: {:.0} MB/s (QD 4). Compute alone (everything in RAM, same run): {compute_step:.3} s/token. *vs bound* = median step time / max(MB per token at the device limit, compute-only step).\n\n| config | tok/s min / median / max | MB/token | hit rate | read wait s | compute s | read MB/s | of device limit | vs bound | prefetch used/issued | prefetch recall | prefetch wasted MB | ids equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             budget as f64 / 1e9,
             mb(limit)
         );
@@ -107,7 +107,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
             let (a, b, c) = engine_runs::spread(&r.tok_s);
             writeln!(
                 md,
-                "| {} | {a:.2} / {b:.2} / {c:.2} | {:.0} | {:.1}% | {:.2} | {:.2} | {:.0} | {:.0}% | {:.2}x | {}/{} | {:.0} | {} |",
+                "| {} | {a:.2} / {b:.2} / {c:.2} | {:.0} | {:.1}% | {:.2} | {:.2} | {:.0} | {:.0}% | {:.2}x | {}/{} | {:.0}% | {:.0} | {} |",
                 r.label,
                 mb(r.bytes_per_token),
                 100.0 * r.hit_rate,
@@ -118,6 +118,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
                 r.vs_bound,
                 r.prefetch_used,
                 r.prefetch_issued,
+                100.0 * r.prefetch_recall,
                 mb(r.prefetch_wasted_bytes as f64),
                 r.ids_equal
             )?;
@@ -131,7 +132,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
         std::fs::write(bench_dir.join("decode.md"), md)?;
         json.insert(
             "decode".into(),
-            json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_fraction": r.read_bytes_per_s / limit, "vs_bound": r.vs_bound, "compute_only_step_s": compute_step, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
+            json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_fraction": r.read_bytes_per_s / limit, "vs_bound": r.vs_bound, "prefetch_recall": r.prefetch_recall, "compute_only_step_s": compute_step, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
         );
     }
     if matches!(which, Which::Prefill | Which::All) {
