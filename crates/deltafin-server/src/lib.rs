@@ -321,6 +321,8 @@ async fn whole_response(
             }
         }
     };
+    // `done` stays None when a stop string cancelled the worker mid-step (no Done event comes).
+    let mut done = None;
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Started { cached_tokens } => cached = cached_tokens,
@@ -339,41 +341,36 @@ async fn whole_response(
                 }
             }
             Event::Done { stats, cached_tokens, hit_stop_id } => {
-                add(split.finish(), &mut content, &mut reasoning);
-                let finish = if split.stopped || hit_stop_id { "stop" } else { "length" };
-                let mut body = if turn.chat {
-                    let mut msg = json!({"role": "assistant", "content": content});
-                    if !reasoning.is_empty() {
-                        msg["reasoning_content"] = json!(reasoning);
-                    }
-                    let logprobs = if turn.req.logprobs {
-                        json!({"content": lps.iter().map(|(i, l, t)| chat_logprob(tok, *i, *l, t)).collect::<Vec<_>>()})
-                    } else {
-                        Value::Null
-                    };
-                    json!({"id": turn.id, "object": "chat.completion", "created": turn.created, "model": turn.model,
-                        "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}]})
-                } else {
-                    let logprobs = if turn.req.logprobs { completion_logprobs(tok, &lps) } else { Value::Null };
-                    json!({"id": turn.id, "object": "text_completion", "created": turn.created, "model": turn.model,
-                        "choices": [{"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish}]})
-                };
-                body["usage"] = usage(&turn, generated, cached_tokens);
-                body["timings"] = timings(&stats, cached_tokens);
-                return Json(body).into_response();
+                cached = cached_tokens;
+                done = Some((stats, hit_stop_id));
+                break;
             }
             Event::Failed(msg) => return error(&s, api_error(500, "server_error", msg)),
         }
     }
-    // The worker ended without a Done event: a stop string cancelled it mid-step.
+    add(split.finish(), &mut content, &mut reasoning);
+    let finish = if split.stopped || done.as_ref().is_none_or(|d| d.1) { "stop" } else { "length" };
     let mut body = if turn.chat {
+        let mut msg = json!({"role": "assistant", "content": content});
+        if !reasoning.is_empty() {
+            msg["reasoning_content"] = json!(reasoning);
+        }
+        let logprobs = if turn.req.logprobs {
+            json!({"content": lps.iter().map(|(i, l, t)| chat_logprob(tok, *i, *l, t)).collect::<Vec<_>>()})
+        } else {
+            Value::Null
+        };
         json!({"id": turn.id, "object": "chat.completion", "created": turn.created, "model": turn.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "reasoning_content": if reasoning.is_empty() { Value::Null } else { json!(reasoning) }}, "logprobs": if turn.req.logprobs { json!({"content": lps.iter().map(|(i, l, t)| chat_logprob(tok, *i, *l, t)).collect::<Vec<_>>()}) } else { Value::Null }, "finish_reason": "stop"}]})
+            "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}]})
     } else {
+        let logprobs = if turn.req.logprobs { completion_logprobs(tok, &lps) } else { Value::Null };
         json!({"id": turn.id, "object": "text_completion", "created": turn.created, "model": turn.model,
-            "choices": [{"index": 0, "text": content, "logprobs": if turn.req.logprobs { completion_logprobs(tok, &lps) } else { Value::Null }, "finish_reason": "stop"}]})
+            "choices": [{"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish}]})
     };
     body["usage"] = usage(&turn, generated, cached);
+    if let Some((stats, _)) = &done {
+        body["timings"] = timings(stats, cached);
+    }
     Json(body).into_response()
 }
 

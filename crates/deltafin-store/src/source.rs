@@ -37,7 +37,7 @@ pub struct SourceStats {
     pub prefetch_issued: u64,
     /// Bytes of prefetch reads never used before eviction or cancellation.
     pub prefetch_wasted_bytes: u64,
-    /// Highest number of bytes the cache held.
+    /// Most bytes of expert buffers (cached, being read, in use) held at once.
     pub cache_peak_bytes: u64,
 }
 

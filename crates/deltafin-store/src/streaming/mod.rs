@@ -323,7 +323,7 @@ impl Inner {
                 }
             };
             match job.part {
-                Some(part) => self.run_part(home, job, part, priority, copy),
+                Some(part) => self.run_part(home, job, part, copy),
                 None => {
                     let result = self.read_one(job.key, priority, copy);
                     self.finish(home, job.key, copy, result);
@@ -364,11 +364,7 @@ impl Inner {
                     return false;
                 }
                 let current = st.current_layer;
-                let incoming = self.evict_rank(
-                    key,
-                    &CacheEntry { bytes: Bytes::from_vec(Vec::new()), last_use: u64::MAX, unused_prefetch: true, pinned: false },
-                    current,
-                );
+                let incoming = self.next_use(key.0, current);
                 let victim = st
                     .cache
                     .iter()
@@ -380,7 +376,7 @@ impl Inner {
                                 // (LRU: only other unused guesses).
                                 Priority::Prefetch => match self.opts.policy {
                                     CachePolicy::Lru => c.unused_prefetch,
-                                    CachePolicy::NextUse => self.evict_rank(**k, c, current).0 > incoming.0,
+                                    CachePolicy::NextUse => self.next_use(k.0, current) > incoming,
                                 },
                             }
                     })
@@ -466,8 +462,6 @@ impl Inner {
             let _ = w.send((key.1, Ok(bytes.clone())));
         }
         st.cache.insert(key, CacheEntry { bytes, last_use: clock, unused_prefetch, pinned: false });
-        let held: u64 = st.cache.values().map(|c| c.bytes.len() as u64).sum();
-        st.stats.cache_peak_bytes = st.stats.cache_peak_bytes.max(held);
     }
 
     fn finish(&self, home: usize, key: Key, copy: usize, result: Result<(Bytes, f64), ReadFail>) {
@@ -630,7 +624,7 @@ impl ExpertSource for StreamingExperts {
         let st = self.inner.state.lock().expect("poisoned");
         let mut s = st.stats.clone();
         s.per_home = st.homes.iter().map(|h| h.stats.clone()).collect();
-        s.cache_peak_bytes = s.cache_peak_bytes.max(self.inner.budget.peak());
+        s.cache_peak_bytes = self.inner.budget.peak();
         s
     }
 

@@ -146,7 +146,7 @@ impl Inner {
     }
 
     /// Reads part `part` of a split read on `home` and completes the expert when it is the last.
-    pub(super) fn run_part(&self, home: usize, job: Job, part: usize, _priority: Priority, copy: usize) {
+    pub(super) fn run_part(&self, home: usize, job: Job, part: usize, copy: usize) {
         let key = job.key;
         let e = self.entry(key);
         let window = e.len.div_ceil(BUF_ALIGN as u64) * BUF_ALIGN as u64;
