@@ -169,6 +169,8 @@ impl Engine {
                             self.experts.prefetch(next, &g);
                         }
                     }
+                    // The shared experts need no reads: run them while the routed ones arrive.
+                    let shared = self.model.moe_shared(l, &x);
                     let layout = self.experts.layout(l);
                     for _ in 0..wanted.len() {
                         let t0 = Instant::now();
@@ -179,7 +181,7 @@ impl Engine {
                         let y = self.model.expert(&layout, bytes.as_slice(), &z.gather(rows))?;
                         combine.add(e, rows, &y);
                     }
-                    self.model.moe_finish(l, &x, combine.finish())
+                    self.model.moe_finish(l, combine.finish(), shared)
                 }
             };
             self.model.finish_layer(&mut res, &out);

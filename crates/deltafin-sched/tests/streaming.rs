@@ -176,32 +176,35 @@ fn a_drive_that_disappears_or_fails_mid_run_fails_over() {
 }
 
 #[test]
-fn split_reads_over_copies_give_identical_ids() {
+fn split_reads_over_copies_and_reader_threads_give_identical_ids() {
     let want = reference();
-    let tmp = tempfile::tempdir().unwrap();
-    let store = make_store(tmp.path(), 3, 3, ExpertLayoutKind::Packs);
-    let min = minimum_budget(&store);
-    for budget in [Some(min), Some(min + 20 * 16384), None] {
-        let model = EngineBuilder::new(&store).ram_budget(budget).split_reads_min(8192).open().unwrap();
-        assert_eq!(generate(&model, &mut |_| {}).unwrap(), want, "budget {budget:?}");
-        let s = model.engine().experts().stats();
-        assert!(s.per_home.iter().all(|h| h.reads > 0), "{:?}", s.per_home);
-        // Parts are counted as reads: more reads than experts fetched shows the splitting.
-        let reads: u64 = s.per_home.iter().map(|h| h.reads).sum();
-        assert!(reads > s.misses, "reads {reads} vs misses {}", s.misses);
+    // One drive (parts spread over its reader threads) and three drives holding every expert.
+    for (homes, queue_depth) in [(1, 4), (3, 1), (3, 2)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = make_store(tmp.path(), homes, homes, ExpertLayoutKind::Packs);
+        let min = minimum_budget(&store);
+        let open = |budget| EngineBuilder::new(&store).ram_budget(budget).queue_depth(queue_depth).split_reads_min(8192).open().unwrap();
+        for budget in [Some(min), Some(min + 20 * 16384), None] {
+            let model = open(budget);
+            assert_eq!(generate(&model, &mut |_| {}).unwrap(), want, "{homes} homes, budget {budget:?}");
+            let s = model.engine().experts().stats();
+            assert!(s.per_home.iter().all(|h| h.reads > 0), "{:?}", s.per_home);
+            // Parts are counted as reads: more reads than experts fetched shows the splitting.
+            let reads: u64 = s.per_home.iter().map(|h| h.reads).sum();
+            assert!(reads > s.misses, "{homes} homes: reads {reads} vs misses {}", s.misses);
+        }
+        // A corrupt copy is still found and named when reads are split.
+        let m = deltafin_store::Manifest::read(&store).unwrap();
+        let e = m.experts.iter().find(|e| e.layer == 1 && e.expert == 20).unwrap();
+        for c in &e.copies {
+            let path = m.copy_path(c);
+            let mut bytes = std::fs::read(&path).unwrap();
+            bytes[c.offset as usize + 5000] ^= 0x77;
+            std::fs::write(&path, bytes).unwrap();
+        }
+        let err = generate(&open(Some(min)), &mut |_| {}).expect_err("corrupt everywhere must fail").to_string();
+        assert!(err.contains("expert 1/20") && err.contains("checksum"), "{homes} homes: {err}");
     }
-    // A corrupt copy is still found and named when reads are split.
-    let m = deltafin_store::Manifest::read(&store).unwrap();
-    let e = m.experts.iter().find(|e| e.layer == 1 && e.expert == 20).unwrap();
-    for c in &e.copies {
-        let path = m.copy_path(c);
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[c.offset as usize + 5000] ^= 0x77;
-        std::fs::write(&path, bytes).unwrap();
-    }
-    let model = EngineBuilder::new(&store).ram_budget(Some(min)).split_reads_min(8192).open().unwrap();
-    let err = generate(&model, &mut |_| {}).expect_err("corrupt everywhere must fail").to_string();
-    assert!(err.contains("expert 1/20") && err.contains("checksum"), "{err}");
 }
 
 #[test]

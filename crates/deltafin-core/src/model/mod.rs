@@ -3,8 +3,8 @@
 //! A forward pass over some token rows is a walk the caller performs:
 //! [`Model::embed`], then per layer [`Model::attention_block`] (Attention-Residual mix, KDA or MLA,
 //! the second mix and norm) followed by either [`Model::dense_mlp`] or the MoE steps
-//! ([`Model::route`], [`Model::moe_latent_in`], [`expert_forward`] per expert, [`MoeCombine`],
-//! [`Model::moe_finish`]), then [`Model::finish_layer`]; finally [`Model::logits`]. Keeping the
+//! ([`Model::route`], [`Model::moe_latent_in`], [`Model::moe_shared`], [`expert_forward`] per
+//! expert, [`MoeCombine`], [`Model::moe_finish`]), then [`Model::finish_layer`]; finally [`Model::logits`]. Keeping the
 //! walk outside lets the scheduler decide when expert bytes arrive without touching the math.
 
 mod attn_res;
@@ -231,9 +231,15 @@ impl Model {
         expert_forward(&self.config, self.isa, layout, bytes, z)
     }
 
-    /// Latent norm, up-projection and shared MLP of MoE layer `l`.
-    pub fn moe_finish(&self, l: usize, x: &Mat, routed: Mat) -> Mat {
-        self.moe(l).finish(&self.config, self.isa, x, routed)
+    /// The shared experts of MoE layer `l` over its MLP input (`None` if it has none).
+    pub fn moe_shared(&self, l: usize, x: &Mat) -> Option<Mat> {
+        self.moe(l).shared(&self.config, x)
+    }
+
+    /// Latent norm and up-projection of the combined routed output, plus the shared experts'
+    /// output from [`Model::moe_shared`].
+    pub fn moe_finish(&self, l: usize, routed: Mat, shared: Option<Mat>) -> Mat {
+        self.moe(l).finish(&self.config, self.isa, routed, shared)
     }
 
     /// Adds the MLP output to the residual's partial sum.

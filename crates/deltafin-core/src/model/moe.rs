@@ -77,15 +77,21 @@ impl MoeWeights {
         matmul_bf16(x, &self.down)
     }
 
-    pub fn finish(&self, cfg: &K3Config, isa: Isa, x: &Mat, mut routed: Mat) -> Mat {
+    /// The shared experts over `x` (they need no expert bytes, so the engine runs them while
+    /// routed experts are still being read).
+    pub fn shared(&self, cfg: &K3Config, x: &Mat) -> Option<Mat> {
+        self.shared.as_ref().map(|s| s.forward(cfg, x))
+    }
+
+    pub fn finish(&self, cfg: &K3Config, isa: Isa, mut routed: Mat, shared: Option<Mat>) -> Mat {
         if let Some(w) = &self.norm {
             for t in 0..routed.rows {
                 rms_norm_in_place(isa, routed.row_mut(t), Some(w), cfg.rms_norm_eps);
             }
         }
         let mut y = matmul_bf16(&routed, &self.up);
-        if let Some(s) = &self.shared {
-            y.add_assign(&s.forward(cfg, x));
+        if let Some(s) = shared {
+            y.add_assign(&s);
         }
         y
     }

@@ -1,8 +1,9 @@
-//! Split reads: one expert read in parts from several drives at once.
+//! Split reads: one expert read in parts, from several drives and several reader threads at once.
 //!
-//! When every copy of an expert sits at an aligned offset and two or more drives hold it, a
-//! demand read is cut into page-aligned parts sized so that each drive, given what it already has
-//! queued and its measured rate, finishes at the same moment. The parts land in one buffer; when
+//! When every copy of an expert sits at an aligned offset, a demand read is cut into page-aligned
+//! shares sized so that each drive holding a copy, given what it already has queued and its
+//! measured rate, finishes at the same moment; each share is cut again over that drive's reader
+//! threads, so one expert keeps the whole queue depth busy. The parts land in one buffer; when
 //! the last arrives the whole expert is checked against its checksum. A failing part moves to
 //! another drive; a checksum mismatch falls back to whole reads, copy by copy, so a corrupt copy
 //! is found and reported exactly as without splitting.
@@ -63,7 +64,11 @@ impl Inner {
         let usable: Vec<usize> =
             (0..e.copies.len()).filter(|&i| st.homes[e.copies[i].home].quarantined_until.is_none_or(|t| t <= now)).collect();
         let min = self.opts.split_min;
-        if min == u64::MAX || usable.len() < 2 || e.len < min || e.copies.iter().any(|c| c.offset % BUF_ALIGN as u64 != 0) {
+        let lanes = self.opts.queue_depth.max(1);
+        if min == u64::MAX || usable.is_empty() || e.len < min || e.copies.iter().any(|c| c.offset % BUF_ALIGN as u64 != 0) {
+            return false;
+        }
+        if usable.len() < 2 && lanes < 2 {
             return false;
         }
         // Equal finish times: (queued_h + s_h) / rate_h = T for every drive, sum s_h = len.
@@ -78,26 +83,44 @@ impl Inner {
         let total_rate: f64 = usable.iter().map(|&i| rate(i)).sum();
         let backlog: f64 = usable.iter().map(|&i| st.homes[e.copies[i].home].queued_bytes as f64).sum();
         let t = (e.len as f64 + backlog) / total_rate;
+        let piece_min = (min / 4).max(BUF_ALIGN as u64);
         let mut sizes: Vec<(usize, u64)> = usable
             .iter()
             .map(|&i| {
                 let want = (t * rate(i) - st.homes[e.copies[i].home].queued_bytes as f64).max(0.0) as u64;
                 (i, want / BUF_ALIGN as u64 * BUF_ALIGN as u64)
             })
-            .filter(|&(_, s)| s >= (min / 4).max(BUF_ALIGN as u64))
+            .filter(|&(_, s)| s >= piece_min)
             .collect();
-        if sizes.len() < 2 {
-            return false;
+        if sizes.is_empty() {
+            // Every drive is far behind the others' finish time: read it whole from the best.
+            let best = usable.iter().copied().min_by(|&a, &b| {
+                let eta = |i: usize| st.homes[e.copies[i].home].queued_bytes as f64 / rate(i);
+                eta(a).total_cmp(&eta(b))
+            });
+            sizes.extend(best.map(|i| (i, e.len)));
         }
-        // Rounding leftovers go to the last part; it also carries the unaligned tail.
+        // Rounding leftovers go to the last share; it also carries the unaligned tail.
         let assigned: u64 = sizes[..sizes.len() - 1].iter().map(|s| s.1).sum();
         let last = sizes.len() - 1;
         sizes[last].1 = e.len - assigned;
+        // Each drive's share is cut again over its reader threads, so that the drive's queue stays
+        // full to the end of a layer: the last few reads of a step would otherwise run at queue
+        // depth one, at about half the drive's throughput (`cargo xtask bench device`).
         let mut parts = Vec::new();
         let mut start = 0;
         for (copy, len) in sizes {
-            parts.push(Part { copy, start, len, run: Run::Queued });
-            start += len;
+            let pieces = (len / piece_min).clamp(1, lanes as u64);
+            let step = (len / pieces).div_ceil(BUF_ALIGN as u64) * BUF_ALIGN as u64;
+            let end = start + len;
+            while start < end {
+                let n = step.min(end - start);
+                parts.push(Part { copy, start, len: n, run: Run::Queued });
+                start += n;
+            }
+        }
+        if parts.len() < 2 {
+            return false;
         }
         for (n, p) in parts.iter().enumerate() {
             let home = e.copies[p.copy].home;
