@@ -252,6 +252,7 @@ impl Engine {
         stats.prefetch_recall =
             if decode_demands > 0 { (end.prefetch_used - after_prefill.prefetch_used) as f64 / decode_demands as f64 } else { 0.0 };
         stats.prefetch_wasted_bytes = end.prefetch_wasted_bytes - before.prefetch_wasted_bytes;
+        stats.decode_read_busy_s = end.per_home.iter().zip(&after_prefill.per_home).map(|(e, p)| e.busy_s - p.busy_s).fold(0.0, f64::max);
         stats.per_drive = end.per_home;
         stats.peak_rss_bytes = peak_rss_bytes();
         Ok(stats)

@@ -26,6 +26,9 @@ pub struct Stats {
     pub read_wait_s: f64,
     /// Seconds not waiting for reads.
     pub compute_s: f64,
+    /// Seconds the busiest drive had reads in flight during decode: the read time of the decode
+    /// steps, against which their wall time shows how well compute hid behind reads.
+    pub decode_read_busy_s: f64,
     pub prefetch_issued: u64,
     pub prefetch_used: u64,
     /// Decode expert demands that a prefetch had already fetched or started / all decode demands.
@@ -42,7 +45,14 @@ fn ser_homes<S: serde::Serializer>(v: &[HomeStats], s: S) -> std::result::Result
     use serde::ser::SerializeSeq;
     let mut seq = s.serialize_seq(Some(v.len()))?;
     for h in v {
-        seq.serialize_element(&HomeJson { path: &h.path, reads: h.reads, bytes: h.bytes, errors: h.errors, rate_bytes_s: h.rate })?;
+        seq.serialize_element(&HomeJson {
+            path: &h.path,
+            reads: h.reads,
+            bytes: h.bytes,
+            errors: h.errors,
+            rate_bytes_s: h.rate,
+            busy_s: h.busy_s,
+        })?;
     }
     seq.end()
 }
@@ -54,6 +64,7 @@ struct HomeJson<'a> {
     bytes: u64,
     errors: u64,
     rate_bytes_s: f64,
+    busy_s: f64,
 }
 
 impl Stats {

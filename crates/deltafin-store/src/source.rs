@@ -50,6 +50,8 @@ pub struct HomeStats {
     pub errors: u64,
     /// Measured throughput in bytes/s (exponential average), 0 before the first read.
     pub rate: f64,
+    /// Seconds the drive had at least one read in flight (the union of its reads' intervals).
+    pub busy_s: f64,
 }
 
 /// Anything that can hand out routed experts.

@@ -79,6 +79,9 @@ pub struct DecodeResult {
     pub ids_equal: bool,
     /// Step time / max(read time at that repeat's device limit, compute-only step time).
     pub vs_bound: Vec<f64>,
+    /// Step time / max(the time the drive was busy reading, compute-only step time): how much
+    /// of the step is neither reading nor unavoidable compute, whatever speed the disk ran at.
+    pub overlap: Vec<f64>,
 }
 
 impl DecodeResult {
@@ -124,6 +127,7 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
             prefetch_wasted_bytes: 0,
             ids_equal: true,
             vs_bound: vec![],
+            overlap: vec![],
         };
         for _ in 0..repeats {
             let before = crate::bench::device::read_rate(store, 4, LIMIT_READS)?;
@@ -139,6 +143,8 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
             r.limit.push(limit);
             r.read_bytes_per_s.push((s.expert_bytes_read - s.expert_bytes_read_prefill) as f64 / decode_time);
             r.vs_bound.push((1.0 / s.decode_tok_s.max(1e-9)) / (s.bytes_per_token / limit).max(compute_step));
+            let steps = (s.generated_tokens - 1) as f64;
+            r.overlap.push(decode_time / s.decode_read_busy_s.max(compute_step * steps));
             r.bytes_per_token = s.bytes_per_token;
             r.hit_rate = s.cache_hit_rate;
             r.read_wait_s = s.read_wait_s;
@@ -148,13 +154,14 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
             r.prefetch_issued = s.prefetch_issued;
             r.prefetch_wasted_bytes = s.prefetch_wasted_bytes;
             eprintln!(
-                "decode {}: {:.2} tok/s, {:.0} MB/token, device {:.0} -> {:.0} MB/s, {:.2}x the bound",
+                "decode {}: {:.2} tok/s, {:.0} MB/token, device {:.0} -> {:.0} MB/s, {:.2}x the bound, {:.2}x busy reads",
                 c.label,
                 s.decode_tok_s,
                 s.bytes_per_token / 1e6,
                 before / 1e6,
                 after / 1e6,
-                r.vs_bound.last().expect("pushed")
+                r.vs_bound.last().expect("pushed"),
+                r.overlap.last().expect("pushed")
             );
         }
         out.push(r);

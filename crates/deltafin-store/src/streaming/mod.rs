@@ -438,6 +438,7 @@ impl Inner {
         };
         h.busy_until = Some(h.busy_until.map_or(end, |u| u.max(end)));
         h.busy_secs += busy;
+        h.stats.busy_s += busy;
         h.busy_bytes += len as f64;
         if h.busy_bytes > 2e9 {
             // Forget slowly, so a drive that changes speed is re-measured.
