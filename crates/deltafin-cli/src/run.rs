@@ -20,7 +20,7 @@ pub struct ModelArgs {
     /// Most prompt tokens per forward pass (no effect on output).
     #[arg(long)]
     pub prefill_chunk: Option<usize>,
-    /// Prefetch next-layer experts guessed by running the next router early (no effect on output).
+    /// Prefetch the next layer's experts, guessed from this layer's output so far while its last read is in flight (no effect on output).
     #[arg(long)]
     pub prefetch: bool,
     /// Bound on everything the engine holds (spine, expert cache, buffers, state), e.g. 2G.

@@ -21,9 +21,10 @@ use crate::stats::{peak_rss_bytes, Stats};
 pub struct EngineOptions {
     /// Most prompt tokens per forward pass (memory bound); `None` = the whole prompt at once.
     pub prefill_chunk: Option<usize>,
-    /// Run the next layer's router on the current hidden state and prefetch its experts during
-    /// decode. Off by default: on one drive the wrong guesses cost more bandwidth than the right
-    /// ones save (measure with `cargo xtask bench decode`).
+    /// During decode, once only the last of a layer's expert reads is outstanding, guess the next
+    /// layer's experts from this layer's output so far (its attention and router run on a
+    /// throwaway copy of the state) and prefetch them, so the drive does not idle while the last
+    /// expert, the next attention and the next router compute. No effect on the output.
     pub prefetch: bool,
 }
 
@@ -160,19 +161,24 @@ impl Engine {
                         }
                     }
                     let rx = self.experts.request(l, &expert_ids, Priority::Demand);
-                    // Prefetch pays only in decode: a prompt pass demands most experts anyway.
-                    if self.options.prefetch && ids.len() == 1 {
-                        if let Some(next) = (l + 1..cfg.num_layers).find(|&n| cfg.mlp[n] == MlpKind::Moe) {
-                            // The next layer's router on this layer's MLP input: a cheap guess.
-                            let guess = MoeCombine::new(self.model.route(next, &x), cfg.latent_size).expert_rows();
-                            let g: Vec<u32> = guess.iter().map(|(e, _)| *e).collect();
-                            self.experts.prefetch(next, &g);
-                        }
-                    }
                     // The shared experts need no reads: run them while the routed ones arrive.
                     let shared = self.model.moe_shared(l, &x);
                     let layout = self.experts.layout(l);
-                    for _ in 0..wanted.len() {
+                    // Prefetch pays only in decode (a prompt pass demands most experts anyway) and
+                    // only for a next layer that is an MoE layer.
+                    let lookahead = self.options.prefetch && ids.len() == 1 && l + 1 < cfg.num_layers && cfg.mlp[l + 1] == MlpKind::Moe;
+                    for i in 0..wanted.len() {
+                        // The last expert is still being read: the drive would idle between its
+                        // arrival and the next layer's request (its compute, the next attention).
+                        // Guess the next layer's experts from this layer's output so far and
+                        // queue them behind it.
+                        if lookahead && i + 1 == wanted.len() && i > 0 && rx.is_empty() {
+                            let out = self.model.moe_finish(l, combine.partial(), shared.clone());
+                            // A guess that cannot run (a full context) only means no prefetch.
+                            if let Ok(routes) = self.model.guess_routes(l + 1, &mut seq.layers[l + 1], &res, &out) {
+                                self.experts.prefetch(l + 1, &routes[0].experts);
+                            }
+                        }
                         let t0 = Instant::now();
                         let (e, bytes) = rx.recv().map_err(|_| Error::Invalid(format!("expert reader for layer {l} stopped")))?;
                         report.read_wait += t0.elapsed();
@@ -321,4 +327,83 @@ pub fn argmax(v: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::EngineBuilder;
+    use deltafin_core::Route;
+
+    fn fixture() -> std::path::PathBuf {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
+    }
+
+    /// Each routed expert's output for layer `l` over `x`, ascending by id.
+    fn expert_outputs(engine: &Engine, l: usize, x: &Mat) -> Vec<(u32, Vec<usize>, Mat)> {
+        let m = engine.model();
+        let z = m.moe_latent_in(l, x);
+        let wanted = MoeCombine::new(m.route(l, x), m.config().latent_size).expert_rows();
+        let ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
+        let rx = engine.experts().request(l, &ids, Priority::Demand);
+        let mut out: Vec<(u32, Vec<usize>, Mat)> = (0..ids.len())
+            .map(|_| {
+                let (e, bytes) = rx.recv().unwrap();
+                let rows = wanted.iter().find(|(id, _)| *id == e).unwrap().1.clone();
+                let y = m.expert(&engine.experts().layout(l), bytes.unwrap().as_slice(), &z.gather(&rows)).unwrap();
+                (e, rows, y)
+            })
+            .collect();
+        out.sort_by_key(|o| o.0);
+        out
+    }
+
+    #[test]
+    fn guessed_routes_are_exact_from_a_complete_output_and_leave_the_state_alone() {
+        let loaded = EngineBuilder::new(fixture()).open().unwrap();
+        let engine = loaded.engine();
+        let m = engine.model();
+        let cfg = m.config().clone();
+        let mut seq = loaded.new_sequence();
+        engine.forward(&mut seq, &[78, 544, 115, 815, 284], LogitRows::Last).unwrap();
+        let mut res = Residual::new(m.embed(&[101]).unwrap());
+        let mut guessed: Option<(Vec<Route>, Vec<Route>)> = None;
+        let mut checked = 0;
+        for l in 0..cfg.num_layers {
+            let x = m.attention_block(l, &mut seq.layers[l], &mut res).unwrap();
+            if let Some((from_full, from_partial)) = guessed.take() {
+                assert_eq!(from_full, m.route(l, &x), "layer {l}: a guess from the complete output is the true routing");
+                // A guess missing one expert's output is only a guess, but a well-formed one.
+                assert_eq!(from_partial[0].experts.len(), cfg.experts_per_token);
+                checked += 1;
+            }
+            let out = match cfg.mlp[l] {
+                MlpKind::Dense => m.dense_mlp(l, &x),
+                MlpKind::Moe => {
+                    let outputs = expert_outputs(engine, l, &x);
+                    let mut combine = MoeCombine::new(m.route(l, &x), cfg.latent_size);
+                    let mut missing_first = MoeCombine::new(m.route(l, &x), cfg.latent_size);
+                    for (i, (e, rows, y)) in outputs.iter().enumerate() {
+                        combine.add(*e, rows, y);
+                        if i > 0 {
+                            missing_first.add(*e, rows, y);
+                        }
+                    }
+                    let shared = m.moe_shared(l, &x);
+                    if l + 1 < cfg.num_layers && cfg.mlp[l + 1] == MlpKind::Moe {
+                        let before = seq.layers[l + 1].clone();
+                        let full = m.moe_finish(l, combine.partial(), shared.clone());
+                        let from_full = m.guess_routes(l + 1, &mut seq.layers[l + 1], &res, &full).unwrap();
+                        let partial = m.moe_finish(l, missing_first.partial(), shared.clone());
+                        let from_partial = m.guess_routes(l + 1, &mut seq.layers[l + 1], &res, &partial).unwrap();
+                        assert_eq!(seq.layers[l + 1], before, "layer {}: guessing changed the state", l + 1);
+                        guessed = Some((from_full, from_partial));
+                    }
+                    m.moe_finish(l, combine.finish(), shared)
+                }
+            };
+            m.finish_layer(&mut res, &out);
+        }
+        assert!(checked > 0, "the fixture has consecutive MoE layers");
+    }
 }

@@ -122,6 +122,10 @@ impl KdaState {
     pub fn bytes(&self) -> usize {
         4 * (self.conv.len() + self.s.len())
     }
+    /// A copy of the numbers only (no replay log, not recording), to run a throwaway step on.
+    pub(crate) fn scratch_copy(&self) -> KdaState {
+        KdaState { conv: self.conv.clone(), s: self.s.clone(), record: false, replay: None }
+    }
 }
 
 impl KdaWeights {

@@ -201,6 +201,28 @@ impl Model {
         Ok(())
     }
 
+    /// A guess at the routes of MoE layer `l` before the layer before it has finished: adds the
+    /// provisional `mlp_out` to a copy of `res`, runs layer `l`'s attention on a throwaway copy
+    /// of `state` (an MLA cache is appended to and truncated back) and its router. `state` ends
+    /// as it was; the result is only good for prefetching.
+    pub fn guess_routes(&self, l: usize, state: &mut LayerState, res: &Residual, mlp_out: &Mat) -> Result<Vec<Route>> {
+        let mut r = res.clone();
+        self.finish_layer(&mut r, mlp_out);
+        let x = match state {
+            LayerState::Kda(s) => self.attention_block(l, &mut LayerState::Kda(s.scratch_copy()), &mut r)?,
+            LayerState::Mla(c) => {
+                let (len, last) = (c.len, c.last_forward);
+                let x = self.attention_block(l, state, &mut r);
+                if let LayerState::Mla(c) = state {
+                    c.truncate(&self.config, len);
+                    c.last_forward = last;
+                }
+                x?
+            }
+        };
+        Ok(self.route(l, &x))
+    }
+
     /// The dense MLP of layer `l` (panics on an MoE layer: a scheduling bug).
     pub fn dense_mlp(&self, l: usize, x: &Mat) -> Mat {
         match &self.layers[l].mlp {

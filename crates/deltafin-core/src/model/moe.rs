@@ -214,12 +214,23 @@ impl MoeCombine {
     /// The weighted sum per token, slots in ascending expert id. Panics if an output is missing
     /// (a scheduling bug, never data-dependent).
     pub fn finish(self) -> Mat {
+        self.sum(false)
+    }
+    /// The weighted sum of the outputs recorded so far, missing ones left out: a provisional
+    /// result to guess the next layer's experts from, never an output.
+    pub fn partial(&self) -> Mat {
+        self.sum(true)
+    }
+    fn sum(&self, skip_missing: bool) -> Mat {
         let k = self.routes.first().map_or(0, |r| r.experts.len());
         let mut out = Mat::zeros(self.routes.len(), self.latent);
         for (t, r) in self.routes.iter().enumerate() {
             let o = out.row_mut(t);
             for (s, w) in r.weights.iter().enumerate() {
-                let y = self.slots[t * k + s].as_ref().expect("expert output missing");
+                let Some(y) = self.slots[t * k + s].as_ref() else {
+                    assert!(skip_missing, "expert output missing");
+                    continue;
+                };
                 for (oi, yi) in o.iter_mut().zip(y) {
                     *oi += w * yi;
                 }
