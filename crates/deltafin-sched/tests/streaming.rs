@@ -183,7 +183,10 @@ fn split_reads_over_copies_and_reader_threads_give_identical_ids() {
         let tmp = tempfile::tempdir().unwrap();
         let store = make_store(tmp.path(), homes, homes, ExpertLayoutKind::Packs);
         let min = minimum_budget(&store);
-        let open = |budget| EngineBuilder::new(&store).ram_budget(budget).queue_depth(queue_depth).split_reads_min(8192).open().unwrap();
+        // Prefetch on: guesses are split too, and cancelled part-way when wrong.
+        let open = |budget| {
+            EngineBuilder::new(&store).ram_budget(budget).queue_depth(queue_depth).split_reads_min(8192).prefetch(true).open().unwrap()
+        };
         for budget in [Some(min), Some(min + 20 * 16384), None] {
             let model = open(budget);
             assert_eq!(generate(&model, &mut |_| {}).unwrap(), want, "{homes} homes, budget {budget:?}");

@@ -323,7 +323,7 @@ impl Inner {
                 }
             };
             match job.part {
-                Some(part) => self.run_part(home, job, part, copy),
+                Some(part) => self.run_part(home, job, part, copy, priority),
                 None => {
                     let result = self.read_one(job.key, priority, copy);
                     self.finish(home, job.key, copy, result);
@@ -389,6 +389,26 @@ impl Inner {
                             st.stats.prefetch_wasted_bytes += c.bytes.len() as u64;
                         }
                         continue;
+                    }
+                    None if priority == Priority::Demand => {
+                        // A guess part-way through holds a buffer that its remaining parts,
+                        // queued behind demand, would release only later: drop the guess.
+                        let guess = st
+                            .inflight
+                            .iter()
+                            .find(|(_, f)| {
+                                f.waiters.is_empty()
+                                    && f.priority == Priority::Prefetch
+                                    && f.split.as_ref().is_some_and(split::Split::holds_buffer)
+                            })
+                            .map(|(k, _)| *k);
+                        match guess {
+                            Some(k) => {
+                                st.inflight.remove(&k);
+                                continue;
+                            }
+                            None => return false,
+                        }
                     }
                     None => return false,
                 }
@@ -553,7 +573,12 @@ impl ExpertSource for StreamingExperts {
             .inflight
             .iter()
             .filter(|(k, f)| {
-                k.0 == layer && !f.started && f.waiters.is_empty() && f.priority == Priority::Prefetch && !experts.contains(&k.1)
+                // A split guess is cancelled even part-way: its queued parts are then skipped.
+                k.0 == layer
+                    && (!f.started || f.split.is_some())
+                    && f.waiters.is_empty()
+                    && f.priority == Priority::Prefetch
+                    && !experts.contains(&k.1)
             })
             .map(|(k, _)| *k)
             .collect();
@@ -576,15 +601,20 @@ impl ExpertSource for StreamingExperts {
             }
             st.stats.misses += 1;
             if let Some(inf) = st.inflight.get_mut(&key) {
+                let promote = inf.priority == Priority::Prefetch && priority == Priority::Demand;
                 if inf.priority == Priority::Prefetch && inf.waiters.is_empty() {
                     st.stats.prefetch_used += 1;
                 }
                 let inf = st.inflight.get_mut(&key).expect("present");
                 inf.waiters.push(tx.clone());
                 inf.priority = inf.priority.min(priority);
+                if promote {
+                    let e = inner.entry(key);
+                    split::promote_parts(&mut st, key, |copy| e.copies[copy].home);
+                }
                 continue;
             }
-            if priority == Priority::Demand && inner.start_split(&mut st, key, tx.clone()) {
+            if priority == Priority::Demand && inner.start_split(&mut st, key, Some(tx.clone()), Priority::Demand) {
                 continue;
             }
             match inner.choose_copy(&st, key, &[]) {
@@ -608,6 +638,12 @@ impl ExpertSource for StreamingExperts {
         for &e in experts {
             let key = (layer, e);
             if st.cache.contains_key(&key) || st.inflight.contains_key(&key) {
+                continue;
+            }
+            // Split like demand reads, so guessed experts complete one by one and a wrong guess
+            // can be dropped between parts.
+            if inner.start_split(&mut st, key, None, Priority::Prefetch) {
+                st.stats.prefetch_issued += 1;
                 continue;
             }
             if let Some(copy) = inner.choose_copy(&st, key, &[]) {

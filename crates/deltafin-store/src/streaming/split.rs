@@ -45,6 +45,13 @@ pub(super) struct Split {
     allocating: bool,
 }
 
+impl Split {
+    /// Whether the shared buffer has been allocated (and counts against the budget).
+    pub(super) fn holds_buffer(&self) -> bool {
+        self.buf.is_some()
+    }
+}
+
 /// Marks part `part` taken by a reader of `home`; `None` if it is not (or no longer) queued there.
 pub(super) fn take_part(inf: &mut Inflight, part: usize) -> Option<(Priority, usize)> {
     let split = inf.split.as_mut()?;
@@ -53,12 +60,25 @@ pub(super) fn take_part(inf: &mut Inflight, part: usize) -> Option<(Priority, us
         return None;
     }
     p.run = Run::Running;
-    Some((Priority::Demand, p.copy))
+    Some((inf.priority, p.copy))
+}
+
+/// Moves the still-queued parts of a split prefetch that was just demanded to the demand queues
+/// (the copies left in the prefetch queues are skipped when popped).
+pub(super) fn promote_parts(st: &mut State, key: Key, homes_of: impl Fn(usize) -> usize) {
+    let Some(split) = st.inflight.get(&key).and_then(|i| i.split.as_ref()) else { return };
+    let queued: Vec<(usize, usize, u64)> =
+        split.parts.iter().enumerate().filter(|(_, p)| p.run == Run::Queued).map(|(n, p)| (homes_of(p.copy), n, p.len)).collect();
+    for (home, n, len) in queued {
+        st.homes[home].queued_bytes += len;
+        st.homes[home].demand.push_back(Job { key, part: Some(n), len });
+    }
 }
 
 impl Inner {
-    /// Plans and queues a split read of `key` for `waiter`; `false` if it should be read whole.
-    pub(super) fn start_split(&self, st: &mut State, key: Key, waiter: Sender<Delivery>) -> bool {
+    /// Plans and queues a split read of `key` for `waiter` (none for a prefetch); `false` if it
+    /// should be read whole.
+    pub(super) fn start_split(&self, st: &mut State, key: Key, waiter: Option<Sender<Delivery>>, priority: Priority) -> bool {
         let e = self.entry(key);
         let now = Instant::now();
         let usable: Vec<usize> =
@@ -125,16 +145,20 @@ impl Inner {
         for (n, p) in parts.iter().enumerate() {
             let home = e.copies[p.copy].home;
             st.homes[home].queued_bytes += p.len;
-            st.homes[home].demand.push_back(Job { key, part: Some(n), len: p.len });
+            let job = Job { key, part: Some(n), len: p.len };
+            match priority {
+                Priority::Demand => st.homes[home].demand.push_back(job),
+                Priority::Prefetch => st.homes[home].prefetch.push_back(job),
+            }
         }
         let split = Split { parts, buf: None, allocating: false };
         st.inflight
-            .insert(key, Inflight { waiters: vec![waiter], priority: Priority::Demand, tried: vec![], started: true, split: Some(split) });
+            .insert(key, Inflight { waiters: waiter.into_iter().collect(), priority, tried: vec![], started: true, split: Some(split) });
         true
     }
 
     /// Gets (or allocates, once) the buffer all parts of `key` write into.
-    fn split_buffer(&self, key: Key, window: u64) -> Option<Arc<AlignedBuf>> {
+    fn split_buffer(&self, key: Key, window: u64, priority: Priority) -> Option<Arc<AlignedBuf>> {
         let mut st = self.state.lock().expect("poisoned");
         loop {
             let split = st.inflight.get_mut(&key)?.split.as_mut()?;
@@ -144,7 +168,7 @@ impl Inner {
             if !split.allocating {
                 split.allocating = true;
                 drop(st);
-                let ok = self.reserve(AlignedBuf::charge(window as usize), key, Priority::Demand);
+                let ok = self.reserve(AlignedBuf::charge(window as usize), key, priority);
                 let buf = ok.then(|| Arc::new(AlignedBuf::new_reserved(window as usize, self.budget.clone())));
                 let mut st = self.state.lock().expect("poisoned");
                 let split = st.inflight.get_mut(&key).and_then(|i| i.split.as_mut());
@@ -169,13 +193,21 @@ impl Inner {
     }
 
     /// Reads part `part` of a split read on `home` and completes the expert when it is the last.
-    pub(super) fn run_part(&self, home: usize, job: Job, part: usize, copy: usize) {
+    pub(super) fn run_part(&self, home: usize, job: Job, part: usize, copy: usize, priority: Priority) {
         let key = job.key;
         let e = self.entry(key);
         let window = e.len.div_ceil(BUF_ALIGN as u64) * BUF_ALIGN as u64;
-        let Some(buf) = self.split_buffer(key, window) else {
-            // No room yet: put the part back and let other jobs (which may free memory) run.
+        let Some(buf) = self.split_buffer(key, window, priority) else {
             let mut st = self.state.lock().expect("poisoned");
+            if st.inflight.get(&key).is_some_and(|i| i.waiters.is_empty() && i.priority == Priority::Prefetch) {
+                // A guess that finds no room is dropped, never waited for.
+                st.inflight.remove(&key);
+                st.homes[home].queued_bytes -= job.len;
+                drop(st);
+                self.work.notify_all();
+                return;
+            }
+            // No room yet: put the part back and let other jobs (which may free memory) run.
             if let Some(p) = st.inflight.get_mut(&key).and_then(|i| i.split.as_mut()).and_then(|s| s.parts.get_mut(part)) {
                 p.run = Run::Queued;
                 st.homes[home].demand.push_back(job);
@@ -212,8 +244,21 @@ impl Inner {
         let secs = t0.elapsed().as_secs_f64();
         let mut st = self.state.lock().expect("poisoned");
         st.homes[home].queued_bytes -= job.len;
-        let Some(inf) = st.inflight.get_mut(&key) else { return };
+        let Some(inf) = st.inflight.get_mut(&key) else {
+            // A stale guess, cancelled while this part was being read.
+            if result.is_ok() {
+                st.stats.prefetch_wasted_bytes += len;
+            }
+            return;
+        };
         let Some(split) = inf.split.as_mut() else { return };
+        if !split.buf.as_ref().is_some_and(|b| Arc::ptr_eq(b, &buf)) {
+            // This part belongs to a cancelled guess; the expert was requested afresh since.
+            if result.is_ok() {
+                st.stats.prefetch_wasted_bytes += len;
+            }
+            return;
+        }
         match result {
             Ok(_) => {
                 split.parts[part].run = Run::Done;
