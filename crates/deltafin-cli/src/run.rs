@@ -20,9 +20,9 @@ pub struct ModelArgs {
     /// Most prompt tokens per forward pass (no effect on output).
     #[arg(long)]
     pub prefill_chunk: Option<usize>,
-    /// Prefetch the next layer's experts, guessed from this layer's output so far while its last read is in flight (no effect on output).
+    /// Do not prefetch the next layer's experts (by default they are guessed from this layer's output so far while its last read is in flight; no effect on output).
     #[arg(long)]
-    pub prefetch: bool,
+    pub no_prefetch: bool,
     /// Bound on everything the engine holds (spine, expert cache, buffers, state), e.g. 2G.
     #[arg(long, value_parser = crate::store_cmds::parse_size)]
     pub ram_budget: Option<u64>,
@@ -49,7 +49,7 @@ impl ModelArgs {
         EngineBuilder::new(&self.model)
             .context(self.context)
             .prefill_chunk(self.prefill_chunk)
-            .prefetch(self.prefetch)
+            .prefetch(!self.no_prefetch)
             .ram_budget(self.ram_budget)
             .cache_mode(if self.page_cache { deltafin_sched::CacheMode::Buffered } else { deltafin_sched::CacheMode::Direct })
             .queue_depth(self.queue_depth)

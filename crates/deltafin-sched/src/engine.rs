@@ -17,7 +17,7 @@ use crate::sequence::Sequence;
 use crate::stats::{peak_rss_bytes, Stats};
 
 /// Knobs of the engine loop that do not change its output.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct EngineOptions {
     /// Most prompt tokens per forward pass (memory bound); `None` = the whole prompt at once.
     pub prefill_chunk: Option<usize>,
@@ -26,6 +26,13 @@ pub struct EngineOptions {
     /// throwaway copy of the state) and prefetch them, so the drive does not idle while the last
     /// expert, the next attention and the next router compute. No effect on the output.
     pub prefetch: bool,
+}
+
+impl Default for EngineOptions {
+    /// Whole prompts at once, prefetch on (`cargo xtask bench decode` measures both ways).
+    fn default() -> Self {
+        EngineOptions { prefill_chunk: None, prefetch: true }
+    }
 }
 
 /// What one forward pass did, for the stats.

@@ -61,7 +61,8 @@ impl EngineBuilder {
             split_min: deltafin_store::DEFAULT_SPLIT_MIN,
         }
     }
-    /// Prefetch next-layer experts guessed by the router (no effect on output).
+    /// Prefetch next-layer experts guessed from the current layer's output (on by default; no
+    /// effect on output).
     pub fn prefetch(mut self, on: bool) -> Self {
         self.options.prefetch = on;
         self

@@ -105,9 +105,9 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
     let compute_step = 1.0 / in_ram(ckpt, &p, new)?.decode_tok_s.max(1e-9);
     eprintln!("decode compute-only: {compute_step:.3} s/token");
     let configs = [
-        RunConfig { label: "next-use".into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk: None },
-        RunConfig { label: "next-use+prefetch".into(), budget, prefetch: true, policy: CachePolicy::NextUse, chunk: None },
-        RunConfig { label: "lru".into(), budget, prefetch: false, policy: CachePolicy::Lru, chunk: None },
+        RunConfig { label: "next-use+prefetch (default)".into(), budget, prefetch: true, policy: CachePolicy::NextUse, chunk: None },
+        RunConfig { label: "next-use, no prefetch".into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk: None },
+        RunConfig { label: "lru+prefetch".into(), budget, prefetch: true, policy: CachePolicy::Lru, chunk: None },
     ];
     let mut reference: Option<Vec<u32>> = None;
     let mut out = Vec::new();

@@ -19,10 +19,15 @@ pub struct Rung {
     pub drives: usize,
     /// Read caps of the drives used, bytes/s.
     pub rates: Vec<f64>,
+    /// Median over repeats.
     pub tok_s: f64,
-    /// Sum of rates / measured expert bytes per decoded token.
+    /// Sum of rates / measured expert bytes per decoded token (median over repeats).
     pub ideal: f64,
+    /// Median of the repeats' measured / ideal.
     pub efficiency: f64,
+    /// Each repeat's measured / ideal.
+    pub efficiencies: Vec<f64>,
+    pub tok_s_runs: Vec<f64>,
     pub bytes_per_token: f64,
     pub per_drive_bytes: Vec<u64>,
 }
@@ -130,7 +135,7 @@ pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str) -> R
     let devs: Vec<String> = drives.loops.iter().map(|l| minor(l)).collect::<Result<_>>()?;
     let profiles: [(&str, [f64; 4]); 2] =
         [("equal", [100e6, 100e6, 100e6, 100e6]), ("unequal 13.6:7.1:7.1:5.7", [136e6, 71e6, 71e6, 57e6])];
-    let new = if quick { 3 } else { 8 };
+    let (new, repeats) = if quick { (3, 2) } else { (8, 3) };
     let ids = crate::bench::engine_runs::prompt(4, 8192).iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
     let mut out = Vec::new();
     for (profile, rates) in profiles {
@@ -150,26 +155,36 @@ pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str) -> R
                 v.display(),
                 stats.display()
             );
-            sh(Command::new("sh").args(["-c", &script]))?;
-            let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats)?)?;
-            let tok_s = s["decode_tok_s"].as_f64().unwrap_or(0.0);
-            let bpt = s["bytes_per_token"].as_f64().unwrap_or(0.0);
             let sum: f64 = rates[..n].iter().sum();
-            let ideal = sum / bpt.max(1.0);
-            let per_drive_bytes =
-                s["per_drive"].as_array().map(|a| a.iter().map(|d| d["bytes"].as_u64().unwrap_or(0)).collect()).unwrap_or_default();
-            let r = Rung {
+            let (mut tok, mut ideals, mut effs, mut bpts) = (vec![], vec![], vec![], vec![]);
+            let mut per_drive_bytes = vec![];
+            for _ in 0..repeats {
+                sh(Command::new("sh").args(["-c", &script]))?;
+                let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats)?)?;
+                let tok_s = s["decode_tok_s"].as_f64().unwrap_or(0.0);
+                let bpt = s["bytes_per_token"].as_f64().unwrap_or(0.0);
+                let ideal = sum / bpt.max(1.0);
+                per_drive_bytes =
+                    s["per_drive"].as_array().map(|a| a.iter().map(|d| d["bytes"].as_u64().unwrap_or(0)).collect()).unwrap_or_default();
+                eprintln!("ladder {profile} {n} drive(s): {tok_s:.3} tok/s, ideal {ideal:.3}, efficiency {:.0}%", 100.0 * tok_s / ideal);
+                tok.push(tok_s);
+                ideals.push(ideal);
+                effs.push(tok_s / ideal);
+                bpts.push(bpt);
+            }
+            let median = |v: &[f64]| crate::bench::engine_runs::spread(v).1;
+            out.push(Rung {
                 profile: profile.into(),
                 drives: n,
                 rates: rates[..n].to_vec(),
-                tok_s,
-                ideal,
-                efficiency: tok_s / ideal,
-                bytes_per_token: bpt,
+                tok_s: median(&tok),
+                ideal: median(&ideals),
+                efficiency: median(&effs),
+                efficiencies: effs,
+                tok_s_runs: tok,
+                bytes_per_token: median(&bpts),
                 per_drive_bytes,
-            };
-            eprintln!("ladder {profile} {n} drive(s): {tok_s:.3} tok/s, ideal {ideal:.3}, efficiency {:.0}%", 100.0 * r.efficiency);
-            out.push(r);
+            });
             let _ = std::fs::remove_dir(CGROUP);
         }
     }

@@ -182,17 +182,20 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
         let bin = build_cli()?;
         match ladder::run(&bin, &ckpt, &root().join("models/ladder"), quick, "700M") {
             Ok(rungs) => {
-                let mut md = format!("## Drive ladder\n\n`cargo xtask bench ladder{q}` — `slice-mini` (real expert size), every drive a loop device capped by the cgroup v1 blkio throttle, every expert on every drive, RAM budget 700 MB. Ideal = sum of the drives' caps / measured expert bytes per token.\n\n| profile | drives | caps MB/s | tok/s | ideal tok/s | efficiency | MB/token | MB read per drive |\n|---|---|---|---|---|---|---|---|\n");
+                let mut md = format!("## Drive ladder\n\n`cargo xtask bench ladder{q}` — `slice-mini` (real expert size), every drive a loop device capped by the cgroup v1 blkio throttle, every expert on every drive, RAM budget 700 MB. Ideal = sum of the drives' caps / measured expert bytes per token. Each rung is run {} times: tok/s and ideal are medians, efficiency is min / median / max of the runs' measured / ideal; bytes per drive are from the last run.\n\n| profile | drives | caps MB/s | tok/s | ideal tok/s | efficiency min / median / max | MB/token | MB read per drive |\n|---|---|---|---|---|---|---|---|\n", rungs.first().map_or(0, |r| r.efficiencies.len()));
                 for r in &rungs {
                     writeln!(
                         md,
-                        "| {} | {} | {} | {:.3} | {:.3} | {:.0}% | {:.0} | {} |",
+                        "| {} | {} | {} | {:.3} | {:.3} | {} | {:.0} | {} |",
                         r.profile,
                         r.drives,
                         r.rates.iter().map(|x| format!("{:.0}", mb(*x))).collect::<Vec<_>>().join(" / "),
                         r.tok_s,
                         r.ideal,
-                        100.0 * r.efficiency,
+                        {
+                            let (a, b, c) = engine_runs::spread(&r.efficiencies);
+                            format!("{:.0}% / {:.0}% / {:.0}%", 100.0 * a, 100.0 * b, 100.0 * c)
+                        },
                         mb(r.bytes_per_token),
                         r.per_drive_bytes.iter().map(|x| format!("{:.0}", mb(*x as f64))).collect::<Vec<_>>().join(" / ")
                     )?;
@@ -210,7 +213,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
                 )?;
                 md += "\n![ladder](bench/ladder.svg)\n";
                 std::fs::write(bench_dir.join("ladder.md"), md)?;
-                json.insert("ladder".into(), json!(rungs.iter().map(|r| json!({"profile": r.profile, "drives": r.drives, "tok_s": r.tok_s, "ideal": r.ideal, "efficiency": r.efficiency, "bytes_per_token": r.bytes_per_token})).collect::<Vec<_>>()));
+                json.insert("ladder".into(), json!(rungs.iter().map(|r| json!({"profile": r.profile, "drives": r.drives, "tok_s": r.tok_s, "ideal": r.ideal, "efficiency": r.efficiency, "efficiency_runs": r.efficiencies, "tok_s_runs": r.tok_s_runs, "bytes_per_token": r.bytes_per_token})).collect::<Vec<_>>()));
             }
             Err(e) => {
                 eprintln!("ladder skipped: {e:#}");
