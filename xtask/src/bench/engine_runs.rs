@@ -70,6 +70,8 @@ pub struct DecodeResult {
     pub compute_s: f64,
     /// Expert bytes read during decode / decode time.
     pub read_bytes_per_s: Vec<f64>,
+    /// Expert bytes read during decode / time the busiest drive had reads in flight.
+    pub busy_bytes_per_s: Vec<f64>,
     /// The device limit measured right before and after each repeat (their mean).
     pub limit: Vec<f64>,
     pub prefetch_used: u64,
@@ -88,6 +90,10 @@ impl DecodeResult {
     /// Read throughput over the device limit, per repeat.
     pub fn device_fraction(&self) -> Vec<f64> {
         self.read_bytes_per_s.iter().zip(&self.limit).map(|(r, l)| r / l).collect()
+    }
+    /// Read throughput while the drive was busy over the device limit, per repeat.
+    pub fn busy_fraction(&self) -> Vec<f64> {
+        self.busy_bytes_per_s.iter().zip(&self.limit).map(|(r, l)| r / l).collect()
     }
 }
 
@@ -120,6 +126,7 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
             read_wait_s: 0.0,
             compute_s: 0.0,
             read_bytes_per_s: vec![],
+            busy_bytes_per_s: vec![],
             limit: vec![],
             prefetch_used: 0,
             prefetch_issued: 0,
@@ -141,7 +148,9 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
             let decode_time = (s.generated_tokens - 1) as f64 / s.decode_tok_s.max(1e-9);
             r.tok_s.push(s.decode_tok_s);
             r.limit.push(limit);
-            r.read_bytes_per_s.push((s.expert_bytes_read - s.expert_bytes_read_prefill) as f64 / decode_time);
+            let decode_bytes = (s.expert_bytes_read - s.expert_bytes_read_prefill) as f64;
+            r.read_bytes_per_s.push(decode_bytes / decode_time);
+            r.busy_bytes_per_s.push(decode_bytes / s.decode_read_busy_s.max(1e-9));
             r.vs_bound.push((1.0 / s.decode_tok_s.max(1e-9)) / (s.bytes_per_token / limit).max(compute_step));
             let steps = (s.generated_tokens - 1) as f64;
             r.overlap.push(decode_time / s.decode_read_busy_s.max(compute_step * steps));

@@ -101,7 +101,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
     if matches!(which, Which::Decode | Which::All) {
         let (d, compute_step) = engine_runs::decode(&store, &ckpt, vocab, budget, quick)?;
         let mut md = format!(
-            "## Decode\n\n`cargo xtask bench decode{q}` — `slice` store (4.2 GB of experts), RAM budget {:.1} GB, 8-token prompt. Each repeat is bracketed by its own device-limit measurement (expert-sized `O_DIRECT` reads at QD 4, the engine's queue depth, right before and after it) and judged against their mean, since the disk changes speed from minute to minute. Compute alone (everything in RAM, same run): {compute_step:.3} s/token. *vs bound* = step time / max(MB per token at that repeat's device limit, compute-only step). *vs busy* = step time / max(time the drive had reads in flight, compute-only step): the part of a step that is neither reading nor compute, independent of the disk's speed at that moment.\n\n| config | tok/s min / median / max | device limit MB/s (median) | vs bound min / median / max | vs busy min / median / max | read MB/s (median) | of device limit min / median / max | MB/token | hit rate | read wait s | compute s | prefetch used/issued | prefetch recall | prefetch wasted MB | ids equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "## Decode\n\n`cargo xtask bench decode{q}` — `slice` store (4.2 GB of experts), RAM budget {:.1} GB, 8-token prompt. Each repeat is bracketed by its own device-limit measurement (expert-sized `O_DIRECT` reads at QD 4, the engine's queue depth, right before and after it) and judged against their mean, since the disk changes speed from minute to minute. Compute alone (everything in RAM, same run): {compute_step:.3} s/token. *vs bound* = step time / max(MB per token at that repeat's device limit, compute-only step). *vs busy* = step time / max(time the drive had reads in flight, compute-only step): the part of a step that is neither reading nor compute, independent of the disk's speed at that moment. *Read MB/s* = decode expert bytes / decode time; *while busy* = the same bytes / the time the drive had reads in flight.\n\n| config | tok/s min / median / max | device limit MB/s (median) | vs bound min / median / max | vs busy min / median / max | read MB/s (median) | of device limit min / median / max | while busy: MB/s (median), of device limit | MB/token | hit rate | read wait s | compute s | prefetch used/issued | prefetch recall | prefetch wasted MB | ids equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             budget as f64 / 1e9,
         );
         let fmt3 = |v: &[f64], scale: f64, unit: &str, digits: usize| {
@@ -111,7 +111,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
         for r in &d {
             writeln!(
                 md,
-                "| {} | {} | {:.0} | {} | {} | {:.0} | {} | {:.0} | {:.1}% | {:.2} | {:.2} | {}/{} | {:.0}% | {:.0} | {} |",
+                "| {} | {} | {:.0} | {} | {} | {:.0} | {} | {:.0}, {:.0}% | {:.0} | {:.1}% | {:.2} | {:.2} | {}/{} | {:.0}% | {:.0} | {} |",
                 r.label,
                 fmt3(&r.tok_s, 1.0, "", 2),
                 mb(engine_runs::spread(&r.limit).1),
@@ -119,6 +119,8 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
                 fmt3(&r.overlap, 1.0, "x", 2),
                 mb(engine_runs::spread(&r.read_bytes_per_s).1),
                 fmt3(&r.device_fraction(), 100.0, "%", 0),
+                mb(engine_runs::spread(&r.busy_bytes_per_s).1),
+                100.0 * engine_runs::spread(&r.busy_fraction()).1,
                 mb(r.bytes_per_token),
                 100.0 * r.hit_rate,
                 r.read_wait_s,
@@ -139,7 +141,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
         std::fs::write(bench_dir.join("decode.md"), md)?;
         json.insert(
             "decode".into(),
-            json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_limit": r.limit, "device_fraction": r.device_fraction(), "vs_bound": r.vs_bound, "vs_busy": r.overlap, "prefetch_recall": r.prefetch_recall, "prefetch_wasted_bytes": r.prefetch_wasted_bytes, "compute_only_step_s": compute_step, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
+            json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_limit": r.limit, "device_fraction": r.device_fraction(), "busy_bytes_per_s": r.busy_bytes_per_s, "busy_fraction": r.busy_fraction(), "vs_bound": r.vs_bound, "vs_busy": r.overlap, "prefetch_recall": r.prefetch_recall, "prefetch_wasted_bytes": r.prefetch_wasted_bytes, "compute_only_step_s": compute_step, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
         );
     }
     if matches!(which, Which::Prefill | Which::All) {
