@@ -44,6 +44,10 @@ enum Cmd {
         /// Also write machine-readable results here.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// What caps the ladder's emulated drives: the kernel's throttle where it can, else the
+        /// engine's reader (`auto`), or one of them.
+        #[arg(long, value_enum, default_value = "auto")]
+        limiter: xtask::bench::Limiter,
     },
     /// Run the kernel and fixture tests for aarch64 under qemu (NEON), needs Debian's
     /// qemu-user, gcc-aarch64-linux-gnu and `rustup target add aarch64-unknown-linux-gnu`.
@@ -61,7 +65,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::GenK3 { preset, seed, out } => xtask::gen_k3::generate(&preset, seed, &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
-        Cmd::Bench { which, quick, json } => xtask::bench::run(which, quick, json.as_deref()),
+        Cmd::Bench { which, quick, json, limiter } => xtask::bench::run(which, quick, json.as_deref(), limiter),
         Cmd::TestAarch64 => {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             for (pkg, extra) in [("deltafin-core", vec![]), ("deltafin-sched", vec!["--test", "fixture"])] {

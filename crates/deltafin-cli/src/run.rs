@@ -35,6 +35,10 @@ pub struct ModelArgs {
     /// Read each expert whole from one drive, even where several drives hold copies.
     #[arg(long)]
     pub no_split_reads: bool,
+    /// Cap each drive's read rate, comma-separated in the store's drive order (e.g. 136M,71M):
+    /// emulates slower drives on one disk for benchmarks (no effect on output).
+    #[arg(long, value_delimiter = ',', value_parser = crate::store_cmds::parse_size)]
+    pub read_caps: Vec<u64>,
     /// Expert cache eviction: `next-use` (furthest next use first) or `lru`.
     #[arg(long, default_value = "next-use", value_parser = ["next-use", "lru"])]
     pub cache_policy: String,
@@ -53,6 +57,7 @@ impl ModelArgs {
             .ram_budget(self.ram_budget)
             .cache_mode(if self.page_cache { deltafin_sched::CacheMode::Buffered } else { deltafin_sched::CacheMode::Direct })
             .queue_depth(self.queue_depth)
+            .read_caps(self.read_caps.clone())
             .pin_bytes(self.pin.unwrap_or(0))
             .split_reads_min(if self.no_split_reads { u64::MAX } else { deltafin_store::DEFAULT_SPLIT_MIN })
             .cache_policy(if self.cache_policy == "lru" { deltafin_sched::CachePolicy::Lru } else { deltafin_sched::CachePolicy::NextUse })

@@ -34,6 +34,7 @@ pub struct EngineBuilder {
     pin_bytes: u64,
     policy: CachePolicy,
     split_min: u64,
+    read_caps: Vec<u64>,
 }
 
 /// Where the RAM budget goes, in bytes.
@@ -59,6 +60,7 @@ impl EngineBuilder {
             pin_bytes: 0,
             policy: CachePolicy::NextUse,
             split_min: deltafin_store::DEFAULT_SPLIT_MIN,
+            read_caps: Vec::new(),
         }
     }
     /// Prefetch next-layer experts guessed from the current layer's output (on by default; no
@@ -101,6 +103,12 @@ impl EngineBuilder {
     /// (`u64::MAX` turns splitting off; no effect on output).
     pub fn split_reads_min(mut self, bytes: u64) -> Self {
         self.split_min = bytes;
+        self
+    }
+    /// Caps each drive's read rate (bytes/s, in the store's home order; 0 = none): emulates slower
+    /// drives on one fast disk where the kernel's throttle is unavailable (no effect on output).
+    pub fn read_caps(mut self, caps: Vec<u64>) -> Self {
+        self.read_caps = caps;
         self
     }
     /// Bytes of the hottest experts (from the store's heat history) to keep pinned in RAM.
@@ -208,6 +216,7 @@ impl EngineBuilder {
             pinned,
             policy: self.policy,
             split_min: self.split_min,
+            read_caps: self.read_caps.clone(),
         })?;
         let model = Model::load(cfg, &store)?;
         let store = Arc::new(store);

@@ -3,6 +3,12 @@
 //! throttle), well below the real disk's floor so the emulation is honest
 //! (`shared/BENCH-MACHINE.md`). Every drive holds a copy of every expert, so the reader can send
 //! each read to the drive expected to finish it first. Needs root; everything is torn down after.
+//!
+//! Where the kernel lacks them (no root, no loop devices, no cgroup v1 blkio), or when asked
+//! (`--limiter reader`), the drives are plain folders on the one disk and the engine's own reader
+//! enforces each cap (`deltafin run --read-caps`: every read takes the next slot of its drive's
+//! byte clock and returns no earlier than the slot's end). The caps stay far below the disk's
+//! floor, so the disk under them never decides the result.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,6 +17,17 @@ use anyhow::{bail, Context, Result};
 use deltafin_store::Manifest;
 
 const CGROUP: &str = "/sys/fs/cgroup/blkio/deltafin-ladder";
+
+/// What enforces the emulated drives' read caps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Limiter {
+    /// The kernel's where it can (loop devices + cgroup v1 blkio throttle), else the reader's.
+    Auto,
+    /// Loop devices capped by the cgroup v1 blkio throttle (root).
+    Cgroup,
+    /// Plain folders, caps enforced by the engine's reader (`--read-caps`).
+    Reader,
+}
 
 /// One rung.
 #[derive(Clone, Debug)]
@@ -40,8 +57,11 @@ struct Drives {
 impl Drop for Drives {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir(CGROUP);
-        for m in &self.mounts {
-            let _ = Command::new("umount").arg(m).status();
+        // Plain folders (the reader-limited ladder) have nothing to unmount.
+        if !self.loops.is_empty() {
+            for m in &self.mounts {
+                let _ = Command::new("umount").arg(m).status();
+            }
         }
         for l in &self.loops {
             let _ = Command::new("losetup").args(["-d", l]).status();
@@ -112,16 +132,35 @@ fn variant(store: &Path, n: usize, out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Runs the ladder on the `slice-mini` checkpoint at `ckpt` with the `deltafin` binary `bin`.
-pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str) -> Result<Vec<Rung>> {
-    available().map_err(|e| anyhow::anyhow!("drive ladder unavailable: {e}"))?;
+/// Runs the ladder on the `slice-mini` checkpoint at `ckpt` with the `deltafin` binary `bin`;
+/// returns the rungs and the limiter that enforced the caps.
+pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str, limiter: Limiter) -> Result<(Vec<Rung>, Limiter)> {
+    let limiter = match (limiter, available()) {
+        (Limiter::Cgroup, Err(e)) => bail!("drive ladder with kernel caps unavailable: {e} (try --limiter reader)"),
+        (Limiter::Auto, Err(e)) => {
+            eprintln!("ladder: kernel caps unavailable ({e}); the reader enforces them");
+            Limiter::Reader
+        }
+        (Limiter::Auto, Ok(())) => Limiter::Cgroup,
+        (l, _) => l,
+    };
+    let _ = std::fs::remove_dir_all(work);
     std::fs::create_dir_all(work)?;
     let expert_total: u64 = std::fs::read_dir(ckpt)?
         .filter_map(|e| e.ok())
         .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
         .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
         .sum();
-    let drives = setup_drives(work, 4, expert_total + (256 << 20))?;
+    let drives = match limiter {
+        Limiter::Reader => {
+            let mounts: Vec<PathBuf> = (0..4).map(|i| work.join(format!("drive{i}"))).collect();
+            for m in &mounts {
+                std::fs::create_dir_all(m)?;
+            }
+            Drives { loops: vec![], mounts }
+        }
+        _ => setup_drives(work, 4, expert_total + (256 << 20))?,
+    };
     let store = work.join("store");
     let mut setup = Command::new(bin);
     setup.args(["setup", "--full", "--copies", "4", "--from"]).arg(ckpt).arg("--out").arg(&store);
@@ -131,7 +170,7 @@ pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str) -> R
     sh(&mut setup)?;
     // Uncapped baseline right before the ladder, as the recipe asks.
     let uncapped = crate::bench::device::read_rate(&store, 4, 24)?;
-    eprintln!("ladder: uncapped loop-device read rate {:.0} MB/s", uncapped / 1e6);
+    eprintln!("ladder: uncapped read rate {:.0} MB/s", uncapped / 1e6);
     let devs: Vec<String> = drives.loops.iter().map(|l| minor(l)).collect::<Result<_>>()?;
     let profiles: [(&str, [f64; 4]); 2] =
         [("equal", [100e6, 100e6, 100e6, 100e6]), ("unequal 13.6:7.1:7.1:5.7", [136e6, 71e6, 71e6, 57e6])];
@@ -142,19 +181,25 @@ pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str) -> R
         for n in 1..=4 {
             let v = work.join(format!("variant{n}"));
             variant(&store, n, &v)?;
-            let _ = std::fs::remove_dir(CGROUP);
-            std::fs::create_dir_all(CGROUP)?;
-            for (i, dev) in devs.iter().enumerate() {
-                // Drives beyond n are capped too (unused); caps apply to every thread of the run.
-                std::fs::write(format!("{CGROUP}/blkio.throttle.read_bps_device"), format!("{dev} {}", rates[i] as u64))?;
-            }
             let stats = work.join(format!("stats-{n}.json"));
-            let script = format!(
-                "echo $$ > {CGROUP}/cgroup.procs; exec {} run --model {} --ram-budget {budget} --queue-depth 4 --ids {ids} --max-new {new} --print-ids --stats-json {}",
+            let run = format!(
+                "{} run --model {} --ram-budget {budget} --queue-depth 4 --ids {ids} --max-new {new} --print-ids --stats-json {}",
                 bin.display(),
                 v.display(),
                 stats.display()
             );
+            let script = if limiter == Limiter::Reader {
+                let caps: Vec<String> = rates[..n].iter().map(|r| format!("{}", *r as u64)).collect();
+                format!("exec {run} --read-caps {}", caps.join(","))
+            } else {
+                let _ = std::fs::remove_dir(CGROUP);
+                std::fs::create_dir_all(CGROUP)?;
+                for (i, dev) in devs.iter().enumerate() {
+                    // Drives beyond n are capped too (unused); caps apply to every thread of the run.
+                    std::fs::write(format!("{CGROUP}/blkio.throttle.read_bps_device"), format!("{dev} {}", rates[i] as u64))?;
+                }
+                format!("echo $$ > {CGROUP}/cgroup.procs; exec {run}")
+            };
             let sum: f64 = rates[..n].iter().sum();
             let (mut tok, mut ideals, mut effs, mut bpts) = (vec![], vec![], vec![], vec![]);
             let mut per_drive_bytes = vec![];
@@ -190,5 +235,5 @@ pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str) -> R
     }
     drop(drives);
     let _ = std::fs::remove_dir_all(work);
-    Ok(out)
+    Ok((out, limiter))
 }

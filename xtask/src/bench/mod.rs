@@ -10,6 +10,8 @@ mod engine_runs;
 mod ladder;
 mod svg;
 
+pub use ladder::Limiter;
+
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -64,7 +66,7 @@ fn mb(x: f64) -> f64 {
 }
 
 /// Runs `which` and updates the report.
-pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
+pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::Limiter) -> Result<()> {
     let docs = root().join("docs");
     let bench_dir = docs.join("bench");
     std::fs::create_dir_all(&bench_dir)?;
@@ -182,9 +184,19 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
     if matches!(which, Which::Ladder | Which::All) {
         let (ckpt, _) = ensure_model("slice-mini")?;
         let bin = build_cli()?;
-        match ladder::run(&bin, &ckpt, &root().join("models/ladder"), quick, "700M") {
-            Ok(rungs) => {
-                let mut md = format!("## Drive ladder\n\n`cargo xtask bench ladder{q}` — `slice-mini` (real expert size), every drive a loop device capped by the cgroup v1 blkio throttle, every expert on every drive, RAM budget 700 MB. Ideal = sum of the drives' caps / measured expert bytes per token. Each rung is run {} times: tok/s and ideal are medians, efficiency is min / median / max of the runs' measured / ideal; bytes per drive are from the last run.\n\n| profile | drives | caps MB/s | tok/s | ideal tok/s | efficiency min / median / max | MB/token | MB read per drive |\n|---|---|---|---|---|---|---|---|\n", rungs.first().map_or(0, |r| r.efficiencies.len()));
+        let flag =
+            if limiter == ladder::Limiter::Auto { String::new() } else { format!(" --limiter {}", format!("{limiter:?}").to_lowercase()) };
+        match ladder::run(&bin, &ckpt, &root().join("models/ladder"), quick, "700M", limiter) {
+            Ok((rungs, used)) => {
+                let (title, how, file) = match used {
+                    ladder::Limiter::Reader => (
+                        "Drive ladder (reader-enforced caps)",
+                        "every drive a plain folder on the one disk, its cap enforced by the engine's reader (`--read-caps`; the fallback where the kernel lacks loop devices or the blkio throttle)",
+                        "ladder-reader",
+                    ),
+                    _ => ("Drive ladder", "every drive a loop device capped by the cgroup v1 blkio throttle", "ladder"),
+                };
+                let mut md = format!("## {title}\n\n`cargo xtask bench ladder{q}{flag}` — `slice-mini` (real expert size), {how}, every expert on every drive, RAM budget 700 MB. Ideal = sum of the drives' caps / measured expert bytes per token. Each rung is run {} times: tok/s and ideal are medians, efficiency is min / median / max of the runs' measured / ideal; bytes per drive are from the last run.\n\n| profile | drives | caps MB/s | tok/s | ideal tok/s | efficiency min / median / max | MB/token | MB read per drive |\n|---|---|---|---|---|---|---|---|\n", rungs.first().map_or(0, |r| r.efficiencies.len()));
                 for r in &rungs {
                     writeln!(
                         md,
@@ -205,7 +217,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
                 let labels: Vec<String> = (1..=4).map(|n| format!("{n} drive(s)")).collect();
                 let eff = |p: &str| rungs.iter().filter(|r| r.profile.starts_with(p)).map(|r| 100.0 * r.efficiency).collect::<Vec<_>>();
                 std::fs::write(
-                    bench_dir.join("ladder.svg"),
+                    bench_dir.join(format!("{file}.svg")),
                     svg::bars(
                         "Drive ladder: efficiency vs ideal",
                         "% of ideal",
@@ -213,9 +225,9 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
                         &[("equal", eff("equal")), ("unequal", eff("unequal"))],
                     ),
                 )?;
-                md += "\n![ladder](bench/ladder.svg)\n";
-                std::fs::write(bench_dir.join("ladder.md"), md)?;
-                json.insert("ladder".into(), json!(rungs.iter().map(|r| json!({"profile": r.profile, "drives": r.drives, "tok_s": r.tok_s, "ideal": r.ideal, "efficiency": r.efficiency, "efficiency_runs": r.efficiencies, "tok_s_runs": r.tok_s_runs, "bytes_per_token": r.bytes_per_token})).collect::<Vec<_>>()));
+                md += &format!("\n![ladder](bench/{file}.svg)\n");
+                std::fs::write(bench_dir.join(format!("{file}.md")), md)?;
+                json.insert("ladder".into(), json!(rungs.iter().map(|r| json!({"limiter": format!("{used:?}").to_lowercase(), "profile": r.profile, "drives": r.drives, "tok_s": r.tok_s, "ideal": r.ideal, "efficiency": r.efficiency, "efficiency_runs": r.efficiencies, "tok_s_runs": r.tok_s_runs, "bytes_per_token": r.bytes_per_token})).collect::<Vec<_>>()));
             }
             Err(e) => {
                 eprintln!("ladder skipped: {e:#}");
@@ -228,7 +240,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>) -> Result<()> {
     }
     // Assemble the report from whatever sections exist.
     let mut report = String::from("# Benchmarks\n\nEvery number below was produced by the command shown beside it (`cargo xtask bench ...`) on the development machine (2 Zen 5 cores, one noisy virtio disk; see `shared/BENCH-MACHINE.md`). Compare ratios within one section: the disk changes speed from minute to minute.\n\n");
-    for s in ["device", "decode", "prefill", "ladder"] {
+    for s in ["device", "decode", "prefill", "ladder", "ladder-reader"] {
         if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
             report += &t;
             report.push('\n');

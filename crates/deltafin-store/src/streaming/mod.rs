@@ -47,6 +47,11 @@ pub struct ReaderOptions {
     /// Demand reads of experts at least this large are split over the drives holding copies
     /// (`u64::MAX`: never split).
     pub split_min: u64,
+    /// Read-rate caps in bytes/s per home, in the manifest's order (missing or 0: none). Emulates
+    /// slower drives where the kernel cannot (no loop devices or blkio throttle): each read takes
+    /// the next slot of its home's byte clock and returns no earlier than the slot's end, so a
+    /// home never delivers more than its cap, whatever the disk under it does.
+    pub read_caps: Vec<u64>,
 }
 
 /// Eviction policy of the expert cache.
@@ -103,6 +108,8 @@ struct Home {
     busy_secs: f64,
     busy_bytes: f64,
     queued_bytes: u64,
+    /// End of the last slot handed out under the home's read cap.
+    paced_until: Option<Instant>,
     quarantined_until: Option<Instant>,
     backoff: Duration,
     demand: VecDeque<Job>,
@@ -164,6 +171,7 @@ impl StreamingExperts {
                 busy_secs: 0.0,
                 busy_bytes: 0.0,
                 queued_bytes: 0,
+                paced_until: None,
                 quarantined_until: None,
                 backoff: Duration::from_millis(100),
                 demand: VecDeque::new(),
@@ -430,9 +438,13 @@ impl Inner {
         let mut buf = AlignedBuf::new_reserved((end - start) as usize, self.budget.clone());
         let path = self.manifest.copy_path(c);
         let t0 = Instant::now();
+        let due = self.pace_slot(c.home, e.len);
         let (file, _) = open_for_read(&path, self.opts.cache_mode).map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
         let at =
             read_aligned(&file, c.offset, e.len, buf.as_mut_slice()).map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
+        if let Some(due) = due {
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        }
         let secs = t0.elapsed().as_secs_f64();
         let owner: Arc<dyn deltafin_core::ByteOwner> = Arc::new(buf);
         let bytes = Bytes::new(owner, at, e.len as usize);
@@ -440,6 +452,19 @@ impl Inner {
             return Err(ReadFail::Corrupt(path));
         }
         Ok((bytes, secs))
+    }
+
+    /// Under a read cap, the moment a read of `len` bytes starting now may complete: the end of
+    /// the next `len / cap` seconds of the home's byte clock. `None` without a cap.
+    fn pace_slot(&self, home: usize, len: u64) -> Option<Instant> {
+        let cap = self.opts.read_caps.get(home).copied().filter(|&c| c > 0)?;
+        let mut st = self.state.lock().expect("poisoned");
+        let now = Instant::now();
+        let h = &mut st.homes[home];
+        let start = h.paced_until.map_or(now, |t| t.max(now));
+        let end = start + Duration::from_secs_f64(len as f64 / cap as f64);
+        h.paced_until = Some(end);
+        Some(end)
     }
 
     /// Records a successful read of `len` bytes from `home` in `secs`.

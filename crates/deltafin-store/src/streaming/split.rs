@@ -233,6 +233,7 @@ impl Inner {
         let c = &e.copies[copy];
         let path = self.manifest.copy_path(c);
         let t0 = Instant::now();
+        let due = self.pace_slot(home, len);
         let room = (window - start) as usize;
         // SAFETY: each part writes only [start, start + room) of the shared buffer, and parts
         // cover disjoint ranges (start is page-aligned and parts do not overlap); nobody reads the
@@ -241,6 +242,9 @@ impl Inner {
         let result = open_for_read(&path, self.opts.cache_mode)
             .and_then(|(f, _)| read_aligned(&f, c.offset + start, len, dst))
             .map_err(|err| format!("{}: {err}", path.display()));
+        if let Some(due) = due {
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        }
         let secs = t0.elapsed().as_secs_f64();
         let mut st = self.state.lock().expect("poisoned");
         st.homes[home].queued_bytes -= job.len;
