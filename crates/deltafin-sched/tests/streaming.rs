@@ -229,3 +229,27 @@ fn pinned_hot_tier_from_heat_history_serves_hits_without_changing_ids() {
     let after = pinned.engine().experts().stats();
     assert!(after.hits - before.hits > cold_hits, "pinned experts are served from RAM ({} vs {cold_hits} hits)", after.hits - before.hits);
 }
+
+#[test]
+fn read_caps_bound_what_each_drive_delivers_and_leave_ids_alone() {
+    let want = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = make_store(tmp.path(), 2, 2, ExpertLayoutKind::Packs);
+    let cap = 8_000_000u64;
+    let start = std::time::Instant::now();
+    let model = EngineBuilder::new(&store).read_caps(vec![cap, cap / 2]).open().unwrap();
+    assert_eq!(generate(&model, &mut |_| {}).unwrap(), want);
+    let elapsed = start.elapsed().as_secs_f64();
+    let s = model.engine().experts().stats();
+    // A read returns no earlier than the end of its slot on the drive's byte clock, so no drive
+    // can have delivered more than its cap times the time since the first read.
+    for (h, cap) in s.per_home.iter().zip([cap, cap / 2]) {
+        assert!(h.bytes > 0, "{:?}", s.per_home);
+        assert!(
+            h.bytes as f64 <= cap as f64 * elapsed,
+            "drive {} delivered {} bytes in {elapsed:.3} s under a cap of {cap} B/s",
+            h.path,
+            h.bytes
+        );
+    }
+}
