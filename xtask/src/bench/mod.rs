@@ -65,6 +65,41 @@ fn mb(x: f64) -> f64 {
     x / 1e6
 }
 
+/// Appends one row per configuration to `decode-runs.md`: every decode run ever made with the
+/// harness, so the spread across the disk's regimes is on record, not just the latest run.
+fn append_decode_run(bench_dir: &Path, q: &str, d: &[engine_runs::DecodeResult]) -> Result<()> {
+    let path = bench_dir.join("decode-runs.md");
+    let mut md = std::fs::read_to_string(&path).unwrap_or_else(|_| {
+        "## Decode runs\n\nEvery `cargo xtask bench decode` run, appended by the harness (medians over its repeats), so results from both of the disk's regimes stay on record.\n\n| when (UTC) | commit | command | config | device limit MB/s | tok/s | vs bound | vs busy | of device limit | while busy |\n|---|---|---|---|---|---|---|---|---|---|\n".into()
+    });
+    let out = |args: &[&str]| {
+        std::process::Command::new(args[0])
+            .args(&args[1..])
+            .current_dir(root())
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let (when, commit) = (out(&["date", "-u", "+%Y-%m-%d %H:%M"]), out(&["git", "rev-parse", "--short", "HEAD"]));
+    let med = |v: &[f64]| engine_runs::spread(v).1;
+    for r in d {
+        writeln!(
+            md,
+            "| {when} | {commit} | `bench decode{q}` | {} | {:.0} | {:.2} | {:.2}x | {:.2}x | {:.0}% | {:.0}% |",
+            r.label,
+            mb(med(&r.limit)),
+            med(&r.tok_s),
+            med(&r.vs_bound),
+            med(&r.overlap),
+            100.0 * med(&r.device_fraction()),
+            100.0 * med(&r.busy_fraction())
+        )?;
+    }
+    std::fs::write(path, md)?;
+    Ok(())
+}
+
 /// Runs `which` and updates the report.
 pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::Limiter) -> Result<()> {
     let docs = root().join("docs");
@@ -141,6 +176,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         )?;
         md += "\n![decode](bench/decode.svg)\n";
         std::fs::write(bench_dir.join("decode.md"), md)?;
+        append_decode_run(&bench_dir, &q, &d)?;
         json.insert(
             "decode".into(),
             json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_limit": r.limit, "device_fraction": r.device_fraction(), "busy_bytes_per_s": r.busy_bytes_per_s, "busy_fraction": r.busy_fraction(), "vs_bound": r.vs_bound, "vs_busy": r.overlap, "prefetch_recall": r.prefetch_recall, "prefetch_wasted_bytes": r.prefetch_wasted_bytes, "compute_only_step_s": compute_step, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
@@ -240,7 +276,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
     }
     // Assemble the report from whatever sections exist.
     let mut report = String::from("# Benchmarks\n\nEvery number below was produced by the command shown beside it (`cargo xtask bench ...`) on the development machine (2 Zen 5 cores, one noisy virtio disk; see `shared/BENCH-MACHINE.md`). Compare ratios within one section: the disk changes speed from minute to minute.\n\n");
-    for s in ["device", "decode", "prefill", "ladder", "ladder-reader"] {
+    for s in ["device", "decode", "decode-runs", "prefill", "ladder", "ladder-reader"] {
         if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
             report += &t;
             report.push('\n');
