@@ -176,7 +176,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         )?;
         md += "\n![decode](bench/decode.svg)\n";
         std::fs::write(bench_dir.join("decode.md"), md)?;
-        append_decode_run(&bench_dir, &q, &d)?;
+        append_decode_run(&bench_dir, q, &d)?;
         json.insert(
             "decode".into(),
             json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_limit": r.limit, "device_fraction": r.device_fraction(), "busy_bytes_per_s": r.busy_bytes_per_s, "busy_fraction": r.busy_fraction(), "vs_bound": r.vs_bound, "vs_busy": r.overlap, "prefetch_recall": r.prefetch_recall, "prefetch_wasted_bytes": r.prefetch_wasted_bytes, "compute_only_step_s": compute_step, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
