@@ -253,3 +253,19 @@ fn read_caps_bound_what_each_drive_delivers_and_leave_ids_alone() {
         );
     }
 }
+
+#[test]
+fn both_cache_policies_with_prefetch_give_identical_ids() {
+    let want = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = make_store(tmp.path(), 2, 1, ExpertLayoutKind::Packs);
+    let min = minimum_budget(&store);
+    for policy in [deltafin_sched::CachePolicy::Lru, deltafin_sched::CachePolicy::NextUse] {
+        for budget in [Some(min), Some(min + 16 * 16384)] {
+            // Split reads on, so guesses are split and can be dropped part-way.
+            let model =
+                EngineBuilder::new(&store).ram_budget(budget).cache_policy(policy).prefetch(true).split_reads_min(8192).open().unwrap();
+            assert_eq!(generate(&model, &mut |_| {}).unwrap(), want, "{policy:?}, budget {budget:?}");
+        }
+    }
+}

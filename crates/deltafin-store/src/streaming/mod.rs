@@ -123,6 +123,9 @@ struct State {
     clock: u64,
     /// Layer of the latest demand request (where the engine is).
     current_layer: usize,
+    /// Clock when the current pass (token) made its first demand: under LRU a guess may displace
+    /// what the pass has not used, never what it has.
+    pass_start: u64,
     stats: SourceStats,
     shutdown: bool,
 }
@@ -193,6 +196,7 @@ impl StreamingExperts {
                 homes,
                 clock: 0,
                 current_layer: 0,
+                pass_start: 0,
                 stats: SourceStats::default(),
                 shutdown: false,
             }),
@@ -372,6 +376,7 @@ impl Inner {
                     return false;
                 }
                 let current = st.current_layer;
+                let pass_start = st.pass_start;
                 let incoming = self.next_use(key.0, current);
                 let victim = st
                     .cache
@@ -381,9 +386,9 @@ impl Inner {
                             && match priority {
                                 Priority::Demand => true,
                                 // A guess displaces only what is needed later than itself
-                                // (LRU: only other unused guesses).
+                                // (LRU: other unused guesses, or what this pass has not used).
                                 Priority::Prefetch => match self.opts.policy {
-                                    CachePolicy::Lru => c.unused_prefetch,
+                                    CachePolicy::Lru => c.unused_prefetch || c.last_use < pass_start,
                                     CachePolicy::NextUse => self.next_use(k.0, current) > incoming,
                                 },
                             }
@@ -591,6 +596,10 @@ impl ExpertSource for StreamingExperts {
         let mut st = inner.state.lock().expect("poisoned");
         st.clock += 1;
         if priority == Priority::Demand {
+            if layer <= st.current_layer {
+                // Back at an earlier layer: a new pass began.
+                st.pass_start = st.clock;
+            }
             st.current_layer = layer;
         }
         // Stale guesses: queued prefetches of this layer that were not demanded.
