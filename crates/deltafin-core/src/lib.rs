@@ -32,7 +32,7 @@ pub use crate::{
     kernels::{
         dot_bf16, dot_f32, dot_mxfp4, e2m1_value, e8m0_scale, matmul_bf16, matmul_bf16_with, permute_for_mxfp4, Isa, Mxfp4Matrix, LANES,
     },
-    math::{rms_norm_in_place, situ},
+    math::{argmax, rms_norm_in_place, situ},
     model::{
         chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Residual, Route, LM_PREFIX,
     },

@@ -60,3 +60,15 @@ pub fn softmax_in_place(x: &mut [f32]) {
         *v /= sum;
     }
 }
+
+/// Index of the largest value; ties go to the lowest index. The one greedy rule: plain decoding
+/// and draft verification both use it, so they pick the same token from the same logits.
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

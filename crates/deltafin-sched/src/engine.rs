@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deltafin_core::{Mat, MlpKind, Model, MoeCombine, Residual};
+use deltafin_core::{argmax, Mat, MlpKind, Model, MoeCombine, Residual};
 use deltafin_store::{ExpertSource, Priority};
 
 use crate::error::{Error, Result};
@@ -323,17 +323,6 @@ impl Default for GenerateOptions {
     fn default() -> Self {
         GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None }
     }
-}
-
-/// Index of the largest value; ties go to the lowest index (greedy is reproducible).
-pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[cfg(test)]

@@ -28,10 +28,11 @@ mod open;
 mod sequence;
 mod stats;
 
+pub use deltafin_core::argmax;
 pub use deltafin_store::{CacheMode, CachePolicy};
 
 pub use crate::{
-    engine::{argmax, Cancel, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows, Step},
+    engine::{Cancel, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows, Step},
     error::{Error, Result},
     open::{EngineBuilder, LoadedModel, MemoryPlan, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT},
     sequence::Sequence,

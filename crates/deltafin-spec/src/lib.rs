@@ -6,7 +6,7 @@
 //! a drafter. This crate holds that rule ([`verify_greedy`]) and the [`Drafter`] interface; the
 //! drafters themselves and the engine integration (rollback of the rejected suffix) come next.
 
-use deltafin_core::Mat;
+use deltafin_core::{argmax, Mat};
 
 /// Something that proposes the next tokens after a context.
 pub trait Drafter {
@@ -34,17 +34,6 @@ pub fn verify_greedy(draft: &[u32], logits: &Mat) -> Verdict {
         }
     }
     Verdict { accepted: draft.len(), next: argmax(logits.row(draft.len())) }
-}
-
-/// Greedy choice with ties to the lowest id (the same rule as plain decoding).
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[cfg(test)]

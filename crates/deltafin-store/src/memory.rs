@@ -102,14 +102,12 @@ impl Budget {
             }
         }
     }
-    /// Takes a spare mapping of exactly `len` bytes, dropping its charge (the caller reserved
-    /// `len` already).
+    /// Takes a spare mapping of exactly `len` bytes; its charge stays (it becomes the new
+    /// buffer's).
     fn take_spare(&self, len: usize) -> Option<Mapping> {
         let mut spares = self.spares.lock().expect("poisoned");
         let i = spares.iter().position(|m| m.len == len)?;
-        let m = spares.swap_remove(i);
-        self.used.fetch_sub(len as u64, Ordering::AcqRel);
-        Some(m)
+        Some(spares.swap_remove(i))
     }
     /// Keeps a dropped buffer's mapping (still counted) for reuse.
     fn put_spare(&self, m: Mapping) {
@@ -149,11 +147,17 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// Maps `len` bytes (rounded up to the alignment) already reserved in `budget`.
-    pub fn new_reserved(len: usize, budget: Arc<Budget>) -> AlignedBuf {
-        let len = (len.div_ceil(BUF_ALIGN) * BUF_ALIGN).max(BUF_ALIGN);
-        let m = budget.take_spare(len).unwrap_or_else(|| Mapping::new(len));
-        AlignedBuf { ptr: m.addr as *mut u8, len, budget }
+    /// A buffer of `len` bytes (rounded up to the alignment) if the budget has room: a spare of
+    /// that size is taken over as it is (no new charge, no page faults); otherwise the bytes are
+    /// reserved, unmapping spares of other sizes if need be, and freshly mapped.
+    pub fn try_new(len: usize, budget: &Arc<Budget>) -> Option<AlignedBuf> {
+        let len = Self::charge(len) as usize;
+        let m = match budget.take_spare(len) {
+            Some(m) => m,
+            None if budget.try_reserve(len as u64) => Mapping::new(len),
+            None => return None,
+        };
+        Some(AlignedBuf { ptr: m.addr as *mut u8, len, budget: budget.clone() })
     }
     /// Bytes counted against the budget for a request of `len`.
     pub fn charge(len: usize) -> u64 {
@@ -191,24 +195,25 @@ mod tests {
     #[test]
     fn dropped_buffers_are_reused_and_give_way_when_the_budget_is_short() {
         let budget = Budget::new(3 * 8192);
-        assert!(budget.try_reserve(8192));
-        let mut a = AlignedBuf::new_reserved(8192, budget.clone());
+        let mut a = AlignedBuf::try_new(8192, &budget).unwrap();
         a.as_mut_slice()[0] = 7;
         let addr = a.as_ptr_for_parts() as usize;
         drop(a);
         // The spare still counts (it is resident) ...
         assert_eq!(budget.used(), 8192);
-        // ... and the next buffer of its size takes it over without a second charge.
-        assert!(budget.try_reserve(8192));
-        let b = AlignedBuf::new_reserved(8192, budget.clone());
+        // ... and the next buffer of its size takes it over without a second charge, even when
+        // the budget has no room left beside it.
+        let filler = AlignedBuf::try_new(2 * 8192, &budget).unwrap();
+        let b = AlignedBuf::try_new(8192, &budget).unwrap();
         assert_eq!(b.as_ptr_for_parts() as usize, addr);
-        assert_eq!(budget.used(), 8192);
+        assert_eq!(budget.used(), 3 * 8192);
         drop(b);
-        // A reservation that does not fit beside the spare unmaps it instead of failing.
-        assert!(budget.try_reserve(3 * 8192));
+        drop(filler);
+        // A reservation that does not fit beside the spares unmaps them instead of failing.
+        let c = AlignedBuf::try_new(3 * 8192, &budget).unwrap();
         assert_eq!(budget.used(), 3 * 8192);
         assert!(!budget.try_reserve(1));
-        let c = AlignedBuf::new_reserved(3 * 8192, budget.clone());
+        assert!(AlignedBuf::try_new(8192, &budget).is_none());
         drop(c);
         assert_eq!(budget.used(), 3 * 8192);
         assert_eq!(budget.peak(), 3 * 8192);

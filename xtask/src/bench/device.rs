@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use deltafin_store::{open_for_read, read_aligned, AlignedBuf, Budget, CacheMode, Manifest};
 
 /// One queue depth's measurements (one per repeat).
@@ -40,7 +40,7 @@ pub fn read_rate(store: &Path, qd: usize, count: usize) -> Result<f64> {
                         }
                         let (path, off, len) = &jobs[i % jobs.len()];
                         let (start, end) = deltafin_store::aligned_window(*off, *len);
-                        let mut buf = AlignedBuf::new_reserved((end - start) as usize, budget.clone());
+                        let mut buf = AlignedBuf::try_new((end - start) as usize, &budget).context("no room in an unbounded budget")?;
                         let (f, _) = open_for_read(path, CacheMode::Direct)?;
                         read_aligned(&f, *off, *len, buf.as_mut_slice())?;
                         bytes += len;

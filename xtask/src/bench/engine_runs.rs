@@ -60,7 +60,7 @@ pub fn spread(v: &[f64]) -> (f64, f64, f64) {
 }
 
 /// Per-configuration decode summary; the vectors hold one value per repeat.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct DecodeResult {
     pub label: String,
     pub tok_s: Vec<f64>,
@@ -101,6 +101,16 @@ impl DecodeResult {
 /// average over the disk's short stalls, short enough to sit close to the run it brackets).
 const LIMIT_READS: usize = 32;
 
+/// Runs `f` between two device-limit measurements (QD 4, the engine's queue depth) and returns
+/// its result with their mean: the limit that run is judged against.
+fn bracketed<T>(store: &Path, f: impl FnOnce() -> Result<T>) -> Result<(T, f64)> {
+    let before = crate::bench::device::read_rate(store, 4, LIMIT_READS)?;
+    let out = f()?;
+    let after = crate::bench::device::read_rate(store, 4, LIMIT_READS)?;
+    eprintln!("device limit around the run: {:.0} -> {:.0} MB/s", before / 1e6, after / 1e6);
+    Ok((out, (before + after) / 2.0))
+}
+
 /// Decode results plus the compute-only step time (seconds per token, everything in RAM).
 ///
 /// The disk changes speed from minute to minute, so each repeat is bracketed by its own
@@ -118,29 +128,9 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
     let mut reference: Option<Vec<u32>> = None;
     let mut out = Vec::new();
     for c in &configs {
-        let mut r = DecodeResult {
-            label: c.label.clone(),
-            tok_s: vec![],
-            bytes_per_token: 0.0,
-            hit_rate: 0.0,
-            read_wait_s: 0.0,
-            compute_s: 0.0,
-            read_bytes_per_s: vec![],
-            busy_bytes_per_s: vec![],
-            limit: vec![],
-            prefetch_used: 0,
-            prefetch_issued: 0,
-            prefetch_recall: 0.0,
-            prefetch_wasted_bytes: 0,
-            ids_equal: true,
-            vs_bound: vec![],
-            overlap: vec![],
-        };
+        let mut r = DecodeResult { label: c.label.clone(), ids_equal: true, ..Default::default() };
         for _ in 0..repeats {
-            let before = crate::bench::device::read_rate(store, 4, LIMIT_READS)?;
-            let (ids, s) = generate(store, c, &p, new)?;
-            let after = crate::bench::device::read_rate(store, 4, LIMIT_READS)?;
-            let limit = (before + after) / 2.0;
+            let ((ids, s), limit) = bracketed(store, || generate(store, c, &p, new))?;
             match &reference {
                 None => reference = Some(ids),
                 Some(want) => r.ids_equal &= *want == ids,
@@ -163,12 +153,10 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
             r.prefetch_issued = s.prefetch_issued;
             r.prefetch_wasted_bytes = s.prefetch_wasted_bytes;
             eprintln!(
-                "decode {}: {:.2} tok/s, {:.0} MB/token, device {:.0} -> {:.0} MB/s, {:.2}x the bound, {:.2}x busy reads",
+                "decode {}: {:.2} tok/s, {:.0} MB/token, {:.2}x the bound, {:.2}x busy reads",
                 c.label,
                 s.decode_tok_s,
                 s.bytes_per_token / 1e6,
-                before / 1e6,
-                after / 1e6,
                 r.vs_bound.last().expect("pushed"),
                 r.overlap.last().expect("pushed")
             );
@@ -179,7 +167,7 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
 }
 
 /// Per-prompt-length prefill summary.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct PrefillResult {
     pub tokens: usize,
     pub schedule: String,
@@ -217,24 +205,10 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
                 continue;
             }
             let c = RunConfig { label: name.into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk };
-            let mut r = PrefillResult {
-                tokens: n,
-                schedule: name.into(),
-                ttft_s: vec![],
-                amplification: 0.0,
-                bytes_read: 0,
-                distinct_bytes: 0,
-                ids_equal: true,
-                compute_s,
-                limit: vec![],
-                vs_bound: vec![],
-            };
+            let mut r = PrefillResult { tokens: n, schedule: name.into(), ids_equal: true, compute_s, ..Default::default() };
             let reps = if chunk == Some(1) { 1 } else { repeats };
             for _ in 0..reps {
-                let before = crate::bench::device::read_rate(store, 4, LIMIT_READS)?;
-                let (ids, s) = generate(store, &c, &p, 1)?;
-                let after = crate::bench::device::read_rate(store, 4, LIMIT_READS)?;
-                let limit = (before + after) / 2.0;
+                let ((ids, s), limit) = bracketed(store, || generate(store, &c, &p, 1))?;
                 match &want {
                     None => want = Some(ids),
                     Some(w) => r.ids_equal &= *w == ids,

@@ -344,9 +344,6 @@ impl Inner {
         }
     }
 
-    /// Makes room for `n` bytes by evicting in policy order (a prefetch only displaces what is
-    /// needed later than itself). Never waits: a reader thread that blocked on memory could hold
-    /// up the very part whose completion would free it; the caller requeues instead.
     /// How soon an expert of `layer` will be needed again, in layers, when the engine is at
     /// `current`: later layers of this token first, then this token's earlier layers next token.
     fn next_use(&self, layer: usize, current: usize) -> usize {
@@ -365,15 +362,19 @@ impl Inner {
         }
     }
 
-    fn reserve(&self, n: u64, key: Key, priority: Priority) -> bool {
+    /// A buffer of `len` bytes for `key`, making room by evicting in policy order (a prefetch only
+    /// displaces what is needed later than itself); an evicted expert's mapping is reused as is.
+    /// Never waits: a reader thread that blocked on memory could hold up the very part whose
+    /// completion would free it; on `None` the caller requeues instead.
+    fn alloc(&self, len: usize, key: Key, priority: Priority) -> Option<AlignedBuf> {
         loop {
-            if self.budget.try_reserve(n) {
-                return true;
+            if let Some(buf) = AlignedBuf::try_new(len, &self.budget) {
+                return Some(buf);
             }
             {
                 let mut st = self.state.lock().expect("poisoned");
                 if st.shutdown {
-                    return false;
+                    return None;
                 }
                 let current = st.current_layer;
                 let pass_start = st.pass_start;
@@ -420,10 +421,10 @@ impl Inner {
                                 st.inflight.remove(&k);
                                 continue;
                             }
-                            None => return false,
+                            None => return None,
                         }
                     }
-                    None => return false,
+                    None => return None,
                 }
             }
         }
@@ -433,14 +434,13 @@ impl Inner {
         let e = self.entry(key);
         let c = &e.copies[copy];
         let (start, end) = aligned_window(c.offset, e.len);
-        if !self.reserve(AlignedBuf::charge((end - start) as usize), key, priority) {
+        let Some(mut buf) = self.alloc((end - start) as usize, key, priority) else {
             if priority == Priority::Demand {
                 // Requeued by `finish`; give the engine a moment to drop a buffer first.
                 self.budget.wait_for_release(Duration::from_millis(5));
             }
             return Err(ReadFail::Cancelled);
-        }
-        let mut buf = AlignedBuf::new_reserved((end - start) as usize, self.budget.clone());
+        };
         let path = self.manifest.copy_path(c);
         let t0 = Instant::now();
         let due = self.pace_slot(c.home, e.len);

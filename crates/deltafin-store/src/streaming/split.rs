@@ -168,8 +168,7 @@ impl Inner {
             if !split.allocating {
                 split.allocating = true;
                 drop(st);
-                let ok = self.reserve(AlignedBuf::charge(window as usize), key, priority);
-                let buf = ok.then(|| Arc::new(AlignedBuf::new_reserved(window as usize, self.budget.clone())));
+                let buf = self.alloc(window as usize, key, priority).map(Arc::new);
                 let mut st = self.state.lock().expect("poisoned");
                 let split = st.inflight.get_mut(&key).and_then(|i| i.split.as_mut());
                 let out = match (split, buf) {
@@ -269,9 +268,22 @@ impl Inner {
                 let done = split.parts.iter().all(|p| p.run == Run::Done);
                 Self::note_read(&mut st, home, len, secs);
                 if done {
-                    let owner: Arc<dyn deltafin_core::ByteOwner> = buf;
+                    // The checksum reads the whole expert: not under the lock every reader and
+                    // the engine's requests share.
+                    drop(st);
+                    let owner: Arc<dyn deltafin_core::ByteOwner> = buf.clone();
                     let bytes = Bytes::new(owner, 0, e.len as usize);
-                    if crate::manifest::checksum(bytes.as_slice()) == e.xxh3 {
+                    let good = crate::manifest::checksum(bytes.as_slice()) == e.xxh3;
+                    let mut st = self.state.lock().expect("poisoned");
+                    let still_wanted = st
+                        .inflight
+                        .get(&key)
+                        .and_then(|i| i.split.as_ref())
+                        .is_some_and(|s| s.buf.as_ref().is_some_and(|b| Arc::ptr_eq(b, &buf)));
+                    if !still_wanted {
+                        // A guess cancelled while its expert was being checked.
+                        st.stats.prefetch_wasted_bytes += e.len;
+                    } else if good {
                         Self::deliver(&mut st, key, bytes);
                     } else {
                         // Which copy is bad is unknown: read whole, copy by copy.
@@ -279,10 +291,14 @@ impl Inner {
                         let inf = st.inflight.get_mut(&key).expect("present");
                         inf.split = None;
                         inf.started = false;
+                        let priority = inf.priority;
                         if let Some(first) = self.choose_copy(&st, key, &[]) {
-                            self.enqueue(&mut st, key, first, Priority::Demand);
+                            self.enqueue(&mut st, key, first, priority);
                         }
                     }
+                    drop(st);
+                    self.work.notify_all();
+                    return;
                 }
             }
             Err(msg) => {
