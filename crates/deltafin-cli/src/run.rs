@@ -20,7 +20,7 @@ pub struct ModelArgs {
     /// Most prompt tokens per forward pass (no effect on output).
     #[arg(long)]
     pub prefill_chunk: Option<usize>,
-    /// Do not prefetch the next layer's experts (by default they are guessed from this layer's output so far while its last read is in flight; no effect on output).
+    /// Do not prefetch (by default the next layer's experts are guessed from this layer's output so far while its last read is in flight, and in the last layer the next token's first MoE layer; no effect on output).
     #[arg(long)]
     pub no_prefetch: bool,
     /// Bound on everything the engine holds (spine, expert cache, buffers, state), e.g. 2G.

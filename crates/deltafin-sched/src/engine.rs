@@ -16,6 +16,13 @@ use crate::error::{Error, Result};
 use crate::sequence::Sequence;
 use crate::stats::{peak_rss_bytes, Stats};
 
+/// How many of the last layer's expert reads are still outstanding when the next token's guess
+/// is made: it runs the logits and the next token's first layers (about twice a layer guess's
+/// compute), so with one read left the drive ran dry before the guess was ready (a timeline of
+/// reads showed ~10 ms idle per token); two leave room for it, at the cost of one more missing
+/// expert output in the guess.
+const BOUNDARY_GUESS_LEFT: usize = 2;
+
 /// Knobs of the engine loop that do not change its output.
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -24,7 +31,9 @@ pub struct EngineOptions {
     /// During decode, once only the last of a layer's expert reads is outstanding, guess the next
     /// layer's experts from this layer's output so far (its attention and router run on a
     /// throwaway copy of the state) and prefetch them, so the drive does not idle while the last
-    /// expert, the next attention and the next router compute. No effect on the output.
+    /// expert, the next attention and the next router compute; in the last layer of a
+    /// generation step, guess the next token's first MoE layer the same way. No effect on the
+    /// output.
     pub prefetch: bool,
 }
 
@@ -94,6 +103,19 @@ impl Engine {
         logit_rows: LogitRows,
         cancel: Option<&Cancel>,
     ) -> Result<(Mat, ForwardReport)> {
+        self.forward_inner(seq, ids, logit_rows, cancel, false)
+    }
+
+    /// `guess_next`: another one-token pass will follow this one (generation), so the last layer
+    /// may prefetch for it.
+    fn forward_inner(
+        &self,
+        seq: &mut Sequence,
+        ids: &[u32],
+        logit_rows: LogitRows,
+        cancel: Option<&Cancel>,
+        guess_next: bool,
+    ) -> Result<(Mat, ForwardReport)> {
         if ids.is_empty() {
             return Err(Error::Invalid("nothing to run: the token list is empty".into()));
         }
@@ -102,7 +124,7 @@ impl Engine {
         let mut logits: Option<Mat> = None;
         for (i, part) in ids.chunks(chunk).enumerate() {
             let last_part = (i + 1) * chunk >= ids.len();
-            let (res, r) = self.forward_pass(seq, part, cancel)?;
+            let (res, r) = self.forward_pass(seq, part, cancel, guess_next && last_part)?;
             report.read_wait += r.read_wait;
             report.distinct_expert_bytes += r.distinct_expert_bytes;
             let rows = match logit_rows {
@@ -121,7 +143,13 @@ impl Engine {
         Ok((logits.expect("the last chunk always yields logits"), report))
     }
 
-    fn forward_pass(&self, seq: &mut Sequence, ids: &[u32], cancel: Option<&Cancel>) -> Result<(Residual, ForwardReport)> {
+    fn forward_pass(
+        &self,
+        seq: &mut Sequence,
+        ids: &[u32],
+        cancel: Option<&Cancel>,
+        guess_next: bool,
+    ) -> Result<(Residual, ForwardReport)> {
         if seq.ids.len() + ids.len() > seq.context_limit {
             return Err(deltafin_core::Error::ContextLimit(format!(
                 "{} tokens held + {} new exceed the context limit of {}; start a new conversation or raise --context",
@@ -132,7 +160,7 @@ impl Engine {
             .into());
         }
         let snapshot = seq.layers.clone();
-        let result = self.walk_layers(seq, ids, cancel);
+        let result = self.walk_layers(seq, ids, cancel, guess_next);
         if result.is_err() {
             // A failed pass (a dead drive, a corrupt expert) must not leave half-advanced state.
             seq.layers = snapshot;
@@ -143,7 +171,7 @@ impl Engine {
         result
     }
 
-    fn walk_layers(&self, seq: &mut Sequence, ids: &[u32], cancel: Option<&Cancel>) -> Result<(Residual, ForwardReport)> {
+    fn walk_layers(&self, seq: &mut Sequence, ids: &[u32], cancel: Option<&Cancel>, guess_next: bool) -> Result<(Residual, ForwardReport)> {
         let cfg = self.model.config();
         let mut report = ForwardReport::default();
         let mut res = Residual::new(self.model.embed(ids)?);
@@ -174,16 +202,26 @@ impl Engine {
                     // Prefetch pays only in decode (a prompt pass demands most experts anyway) and
                     // only for a next layer that is an MoE layer.
                     let lookahead = self.options.prefetch && ids.len() == 1 && l + 1 < cfg.num_layers && cfg.mlp[l + 1] == MlpKind::Moe;
+                    // In the last layer, with another token to come, the guess runs on: the
+                    // provisional output gives a provisional next token, whose first MoE layer's
+                    // experts are prefetched while this token's last expert, the logits and the
+                    // next token's first layers compute.
+                    let boundary = self.options.prefetch && guess_next && ids.len() == 1 && l + 1 == cfg.num_layers;
                     for i in 0..wanted.len() {
                         // The last expert is still being read: the drive would idle between its
                         // arrival and the next layer's request (its compute, the next attention).
                         // Guess the next layer's experts from this layer's output so far and
-                        // queue them behind it.
-                        if lookahead && i + 1 == wanted.len() && i > 0 && rx.is_empty() {
+                        // queue them behind it (in the last layer: the next token's first).
+                        let left = if boundary { BOUNDARY_GUESS_LEFT } else { 1 };
+                        if (lookahead || boundary) && i + left == wanted.len() && i > 0 && rx.is_empty() {
                             let out = self.model.moe_finish(l, combine.partial(), shared.clone());
                             // A guess that cannot run (a full context) only means no prefetch.
-                            if let Ok(routes) = self.model.guess_routes(l + 1, &mut seq.layers[l + 1], &res, &out) {
-                                self.experts.prefetch(l + 1, &routes[0].experts);
+                            if lookahead {
+                                if let Ok(routes) = self.model.guess_routes(l + 1, &mut seq.layers[l + 1], &res, &out) {
+                                    self.experts.prefetch(l + 1, &routes[0].experts);
+                                }
+                            } else if let Ok(Some((f, routes))) = self.model.guess_next_token_routes(&mut seq.layers, &res, &out) {
+                                self.experts.prefetch(f, &routes[0].experts);
                             }
                         }
                         let t0 = Instant::now();
@@ -224,7 +262,7 @@ impl Engine {
     ) -> Result<Stats> {
         let start = Instant::now();
         let before = self.experts.stats();
-        let (logits, rep) = self.forward_with(seq, prompt, LogitRows::Last, opts.cancel.as_ref())?;
+        let (logits, rep) = self.forward_inner(seq, prompt, LogitRows::Last, opts.cancel.as_ref(), opts.max_new > 1)?;
         let after_prefill = self.experts.stats();
         let ttft = start.elapsed();
         let mut stats = Stats { prompt_tokens: prompt.len(), ttft_s: ttft.as_secs_f64(), ..Default::default() };
@@ -241,7 +279,7 @@ impl Engine {
             if opts.stop_ids.contains(&next) || !keep_going || generated == opts.max_new {
                 break;
             }
-            let (l, r) = self.forward_with(seq, &[next], LogitRows::Last, opts.cancel.as_ref())?;
+            let (l, r) = self.forward_inner(seq, &[next], LogitRows::Last, opts.cancel.as_ref(), generated + 1 < opts.max_new)?;
             read_wait += r.read_wait;
             last = l.row(0).to_vec();
             next = argmax(&last);
@@ -354,14 +392,20 @@ mod tests {
         out
     }
 
+    /// The fixture's model with a short prompt already run.
+    fn after_a_prompt() -> (crate::LoadedModel, Sequence) {
+        let loaded = EngineBuilder::new(fixture()).open().unwrap();
+        let mut seq = loaded.new_sequence();
+        loaded.engine().forward(&mut seq, &[78, 544, 115, 815, 284], LogitRows::Last).unwrap();
+        (loaded, seq)
+    }
+
     #[test]
     fn guessed_routes_are_exact_from_a_complete_output_and_leave_the_state_alone() {
-        let loaded = EngineBuilder::new(fixture()).open().unwrap();
+        let (loaded, mut seq) = after_a_prompt();
         let engine = loaded.engine();
         let m = engine.model();
         let cfg = m.config().clone();
-        let mut seq = loaded.new_sequence();
-        engine.forward(&mut seq, &[78, 544, 115, 815, 284], LogitRows::Last).unwrap();
         let mut res = Residual::new(m.embed(&[101]).unwrap());
         let mut guessed: Option<(Vec<Route>, Vec<Route>)> = None;
         let mut checked = 0;
@@ -401,5 +445,47 @@ mod tests {
             m.finish_layer(&mut res, &out);
         }
         assert!(checked > 0, "the fixture has consecutive MoE layers");
+    }
+
+    #[test]
+    fn a_next_token_guess_from_the_complete_output_is_the_true_routing_and_leaves_the_state_alone() {
+        let (loaded, mut seq) = after_a_prompt();
+        let engine = loaded.engine();
+        let m = engine.model();
+        let cfg = m.config().clone();
+        let mut res = Residual::new(m.embed(&[101]).unwrap());
+        let mut guess = None;
+        for l in 0..cfg.num_layers {
+            let x = m.attention_block(l, &mut seq.layers[l], &mut res).unwrap();
+            let out = match cfg.mlp[l] {
+                MlpKind::Dense => m.dense_mlp(l, &x),
+                MlpKind::Moe => {
+                    let mut combine = MoeCombine::new(m.route(l, &x), cfg.latent_size);
+                    for (e, rows, y) in expert_outputs(engine, l, &x) {
+                        combine.add(e, &rows, &y);
+                    }
+                    m.moe_finish(l, combine.finish(), m.moe_shared(l, &x))
+                }
+            };
+            if l + 1 == cfg.num_layers {
+                let before = seq.layers.clone();
+                guess = m.guess_next_token_routes(&mut seq.layers, &res, &out).unwrap();
+                assert_eq!(seq.layers, before, "guessing changed the state");
+            }
+            m.finish_layer(&mut res, &out);
+        }
+        let (first, routes) = guess.expect("the fixture has an MoE layer");
+        // The real next token, run to its first MoE layer.
+        let next = argmax(m.logits(&res, 0..1).row(0));
+        let mut res = Residual::new(m.embed(&[next]).unwrap());
+        for l in 0..=first {
+            let x = m.attention_block(l, &mut seq.layers[l], &mut res).unwrap();
+            if l == first {
+                assert_eq!(m.route(l, &x), routes, "a guess from the complete output is the true routing");
+            } else {
+                let out = m.dense_mlp(l, &x);
+                m.finish_layer(&mut res, &out);
+            }
+        }
     }
 }

@@ -208,19 +208,54 @@ impl Model {
     pub fn guess_routes(&self, l: usize, state: &mut LayerState, res: &Residual, mlp_out: &Mat) -> Result<Vec<Route>> {
         let mut r = res.clone();
         self.finish_layer(&mut r, mlp_out);
-        let x = match state {
-            LayerState::Kda(s) => self.attention_block(l, &mut LayerState::Kda(s.scratch_copy()), &mut r)?,
+        let x = self.scratch_attention(l, state, &mut r)?;
+        Ok(self.route(l, &x))
+    }
+
+    /// A guess, made inside the last layer of a one-token pass, at what the *next* token's first
+    /// MoE layer will route: the provisional `mlp_out` of the last layer gives provisional logits,
+    /// their argmax the next token, and that token runs through the layers up to the first MoE
+    /// layer on throwaway copies of `states` (which end as they were). Returns that layer and its
+    /// routes (`None` for a model without MoE layers). `mlp_out` must be the last layer's. Only
+    /// good for prefetching: the real next token may differ.
+    pub fn guess_next_token_routes(&self, states: &mut [LayerState], res: &Residual, mlp_out: &Mat) -> Result<Option<(usize, Vec<Route>)>> {
+        let mut r = res.clone();
+        self.finish_layer(&mut r, mlp_out);
+        let rows = r.partial.rows;
+        if rows == 0 {
+            return Ok(None);
+        }
+        let logits = self.logits(&r, rows - 1..rows);
+        let next = crate::math::argmax(logits.row(0));
+        let mut r = Residual::new(self.embed(&[next])?);
+        for (l, state) in states.iter_mut().enumerate() {
+            let x = self.scratch_attention(l, state, &mut r)?;
+            match self.config.mlp[l] {
+                MlpKind::Moe => return Ok(Some((l, self.route(l, &x)))),
+                MlpKind::Dense => {
+                    let out = self.dense_mlp(l, &x);
+                    self.finish_layer(&mut r, &out);
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Layer `l`'s attention on a throwaway copy of `state`: a KDA state is copied, an MLA cache
+    /// is appended to and truncated back, so `state` ends as it was.
+    fn scratch_attention(&self, l: usize, state: &mut LayerState, r: &mut Residual) -> Result<Mat> {
+        match state {
+            LayerState::Kda(s) => self.attention_block(l, &mut LayerState::Kda(s.scratch_copy()), r),
             LayerState::Mla(c) => {
                 let (len, last) = (c.len, c.last_forward);
-                let x = self.attention_block(l, state, &mut r);
+                let x = self.attention_block(l, state, r);
                 if let LayerState::Mla(c) = state {
                     c.truncate(&self.config, len);
                     c.last_forward = last;
                 }
-                x?
+                x
             }
-        };
-        Ok(self.route(l, &x))
+        }
     }
 
     /// The dense MLP of layer `l` (panics on an MoE layer: a scheduling bug).

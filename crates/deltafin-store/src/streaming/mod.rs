@@ -108,6 +108,9 @@ struct Home {
     busy_secs: f64,
     busy_bytes: f64,
     queued_bytes: u64,
+    /// Reads in flight on this home (at most the queue depth; a thread checking a checksum or
+    /// finishing a delivery holds no slot, so the drive's queue stays full meanwhile).
+    reading: usize,
     /// End of the last slot handed out under the home's read cap.
     paced_until: Option<Instant>,
     quarantined_until: Option<Instant>,
@@ -149,6 +152,20 @@ pub struct StreamingExperts {
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
+/// One of a home's read slots, held from taking a job until its I/O is done; released on drop
+/// (also on every early return). Never dropped while its thread holds the state lock.
+struct ReadSlot<'a> {
+    inner: &'a Inner,
+    home: usize,
+}
+
+impl Drop for ReadSlot<'_> {
+    fn drop(&mut self) {
+        self.inner.state.lock().expect("poisoned").homes[self.home].reading -= 1;
+        self.inner.work.notify_all();
+    }
+}
+
 /// Initial guess of a drive's rate before it is measured (bytes/s).
 const DEFAULT_RATE: f64 = 1e9;
 
@@ -174,6 +191,7 @@ impl StreamingExperts {
                 busy_secs: 0.0,
                 busy_bytes: 0.0,
                 queued_bytes: 0,
+                reading: 0,
                 paced_until: None,
                 quarantined_until: None,
                 backoff: Duration::from_millis(100),
@@ -204,7 +222,9 @@ impl StreamingExperts {
         });
         let mut threads = Vec::new();
         for h in 0..inner.manifest.homes.len() {
-            for _ in 0..inner.opts.queue_depth.max(1) {
+            // Two threads more than the queue depth: while one checks a finished expert's
+            // checksum (about a millisecond per 17.5 MB) the others keep every read slot busy.
+            for _ in 0..inner.opts.queue_depth.max(1) + 2 {
                 let i = inner.clone();
                 threads
                     .push(std::thread::Builder::new().name(format!("deltafin-read-{h}")).spawn(move || i.worker(h)).expect("spawn reader"));
@@ -300,7 +320,12 @@ impl Inner {
                     if st.shutdown {
                         return;
                     }
+                    let qd = self.opts.queue_depth.max(1);
                     let h = &mut st.homes[home];
+                    if h.reading >= qd {
+                        st = self.work.wait(st).expect("poisoned");
+                        continue;
+                    }
                     let next = h
                         .demand
                         .pop_front()
@@ -329,15 +354,19 @@ impl Inner {
                         },
                     };
                     match take {
-                        Some((p, copy)) => break (job, p, copy),
+                        Some((p, copy)) => {
+                            st.homes[home].reading += 1;
+                            break (job, p, copy);
+                        }
                         None => st.homes[home].queued_bytes -= job.len,
                     }
                 }
             };
+            let slot = ReadSlot { inner: &self, home };
             match job.part {
-                Some(part) => self.run_part(home, job, part, copy, priority),
+                Some(part) => self.run_part(slot, job, part, copy, priority),
                 None => {
-                    let result = self.read_one(job.key, priority, copy);
+                    let result = self.read_one(slot, job.key, priority, copy);
                     self.finish(home, job.key, copy, result);
                 }
             }
@@ -430,13 +459,14 @@ impl Inner {
         }
     }
 
-    fn read_one(&self, key: Key, priority: Priority, copy: usize) -> Result<(Bytes, f64), ReadFail> {
+    fn read_one(&self, slot: ReadSlot<'_>, key: Key, priority: Priority, copy: usize) -> Result<(Bytes, f64), ReadFail> {
         let e = self.entry(key);
         let c = &e.copies[copy];
         let (start, end) = aligned_window(c.offset, e.len);
         let Some(mut buf) = self.alloc((end - start) as usize, key, priority) else {
             if priority == Priority::Demand {
                 // Requeued by `finish`; give the engine a moment to drop a buffer first.
+                drop(slot);
                 self.budget.wait_for_release(Duration::from_millis(5));
             }
             return Err(ReadFail::Cancelled);
@@ -451,6 +481,7 @@ impl Inner {
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
         let secs = t0.elapsed().as_secs_f64();
+        drop(slot);
         let owner: Arc<dyn deltafin_core::ByteOwner> = Arc::new(buf);
         let bytes = Bytes::new(owner, at, e.len as usize);
         if checksum(bytes.as_slice()) != e.xxh3 {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Sender;
 use deltafin_core::Bytes;
 
-use super::{Inflight, Inner, Job, Key, State, DEFAULT_RATE};
+use super::{Inflight, Inner, Job, Key, ReadSlot, State, DEFAULT_RATE};
 use crate::memory::{AlignedBuf, BUF_ALIGN};
 use crate::reader::{open_for_read, read_aligned};
 use crate::source::{Delivery, Priority};
@@ -192,7 +192,8 @@ impl Inner {
     }
 
     /// Reads part `part` of a split read on `home` and completes the expert when it is the last.
-    pub(super) fn run_part(&self, home: usize, job: Job, part: usize, copy: usize, priority: Priority) {
+    pub(super) fn run_part(&self, slot: ReadSlot<'_>, job: Job, part: usize, copy: usize, priority: Priority) {
+        let home = slot.home;
         let key = job.key;
         let e = self.entry(key);
         let window = e.len.div_ceil(BUF_ALIGN as u64) * BUF_ALIGN as u64;
@@ -215,6 +216,7 @@ impl Inner {
             }
             drop(st);
             self.work.notify_all();
+            drop(slot);
             self.budget.wait_for_release(Duration::from_millis(5));
             return;
         };
@@ -245,6 +247,7 @@ impl Inner {
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
         let secs = t0.elapsed().as_secs_f64();
+        drop(slot);
         let mut st = self.state.lock().expect("poisoned");
         st.homes[home].queued_bytes -= job.len;
         let Some(inf) = st.inflight.get_mut(&key) else {
