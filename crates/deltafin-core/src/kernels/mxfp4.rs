@@ -57,6 +57,39 @@ pub fn dot_mxfp4(isa: Isa, xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
     }
 }
 
+/// One row against several inputs: `out[t]` = [`dot_mxfp4`]`(xs[t], packed, scales)`, bit for bit.
+///
+/// The SIMD paths dequantize each group of weights once and fused-multiply-add it into every
+/// input's own accumulators, in exactly the single dot's order: a prompt's tokens share the
+/// dequantization instead of repeating it per token.
+pub fn dot_mxfp4_inputs(isa: Isa, xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
+    assert_eq!(xs.len(), out.len(), "dot_mxfp4_inputs: one output per input");
+    for x in xs {
+        assert!(x.len() == packed.len() * 2 && x.len() == scales.len() * 32, "dot_mxfp4_inputs: length mismatch");
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            for (xs, out) in xs.chunks(8).zip(out.chunks_mut(8)) {
+                // SAFETY: AVX-512 is only selected after feature detection; lengths checked.
+                unsafe { x86::dot_mxfp4_avx512_inputs(xs, packed, scales, out) }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
+                // SAFETY: AVX2 is only selected after feature detection; lengths checked.
+                unsafe { x86::dot_mxfp4_avx2_inputs(xs, packed, scales, out) }
+            }
+        }
+        _ => {
+            for (x, o) in xs.iter().zip(out) {
+                *o = dot_mxfp4(isa, x, packed, scales);
+            }
+        }
+    }
+}
+
 fn dot_mxfp4_scalar(xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
     let mut acc = [0f32; LANES];
     for (g, &s) in scales.iter().enumerate() {
@@ -95,6 +128,14 @@ impl<'a> Mxfp4Matrix<'a> {
         }
         Ok(Mxfp4Matrix { rows, cols, packed, scales })
     }
+    /// Row `r`'s packed codes and scales.
+    #[inline]
+    pub fn row_bytes(&self, r: usize) -> (&'a [u8], &'a [u8]) {
+        let pb = self.cols / 2;
+        let sb = self.cols / 32;
+        (&self.packed[r * pb..(r + 1) * pb], &self.scales[r * sb..(r + 1) * sb])
+    }
+
     /// Row `r`: one output of `W x` for a permuted input.
     #[inline]
     pub fn dot_row(&self, isa: Isa, r: usize, xp: &[f32]) -> f32 {
@@ -110,6 +151,17 @@ mod x86 {
     use crate::kernels::dot::x86::{store16, store2};
     use std::arch::x86_64::*;
 
+    /// Calls `$f::<N>` for N = the number of inputs (the last count takes any larger number):
+    /// each count gets its own accumulator array in registers.
+    macro_rules! by_count {
+        ($f:ident, $xs:expr, $p:expr, $s:expr, $o:expr, $($n:literal)*; $max:literal) => {
+            match $xs.len() {
+                $($n => $f::<$n>($xs, $p, $s, $o),)*
+                _ => $f::<$max>($xs, $p, $s, $o),
+            }
+        };
+    }
+
     #[target_feature(enable = "avx2,fma")]
     unsafe fn half_avx2(bytes8: *const u8, mag: __m256, shift: i32) -> __m256 {
         // SAFETY: caller guarantees 8 readable bytes.
@@ -122,46 +174,89 @@ mod x86 {
         }
     }
 
+    /// One input: the multi-input kernel with N = 1 (the same code, so the same bits).
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot_mxfp4_avx2(xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
-        let mag = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
-        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for (g, &s) in scales.iter().enumerate() {
-            let sc = _mm256_set1_ps(e8m0_scale(s));
-            // SAFETY: group g has 16 packed bytes and 32 inputs (lengths asserted by caller).
-            unsafe {
-                let p = packed.as_ptr().add(16 * g);
-                let x = xp.as_ptr().add(32 * g);
-                let w_even_lo = _mm256_mul_ps(half_avx2(p, mag, 0), sc);
-                let w_even_hi = _mm256_mul_ps(half_avx2(p.add(8), mag, 0), sc);
-                let w_odd_lo = _mm256_mul_ps(half_avx2(p, mag, 4), sc);
-                let w_odd_hi = _mm256_mul_ps(half_avx2(p.add(8), mag, 4), sc);
-                lo = _mm256_fmadd_ps(_mm256_loadu_ps(x), w_even_lo, lo);
-                hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8)), w_even_hi, hi);
-                lo = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(16)), w_odd_lo, lo);
-                hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(24)), w_odd_hi, hi);
-            }
-        }
-        reduce_lanes(&unsafe { store2(lo, hi) })
+        let mut out = [0f32];
+        // SAFETY: lengths asserted by the caller.
+        unsafe { avx2_n::<1>(&[xp], packed, scales, &mut out) };
+        out[0]
+    }
+
+    /// One input: the multi-input kernel with N = 1.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_mxfp4_avx512(xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
+        let mut out = [0f32];
+        // SAFETY: lengths asserted by the caller.
+        unsafe { avx512_n::<1>(&[xp], packed, scales, &mut out) };
+        out[0]
+    }
+
+    /// Up to 8 inputs against one row: each group dequantized once (as in `dot_mxfp4_avx512`),
+    /// then the same two FMAs per input into that input's accumulator.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_mxfp4_avx512_inputs(xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
+        // SAFETY: lengths checked by the caller; at most 8 inputs.
+        unsafe { by_count!(avx512_n, xs, packed, scales, out, 1 2 3 4 5 6 7; 8) }
     }
 
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dot_mxfp4_avx512(xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
+    unsafe fn avx512_n<const N: usize>(xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
         // SAFETY: E2M1 has 16 floats.
         let lut = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
-        let mut acc = _mm512_setzero_ps();
+        let x: [*const f32; N] = std::array::from_fn(|t| xs[t].as_ptr());
+        let mut acc = [_mm512_setzero_ps(); N];
         for (g, &s) in scales.iter().enumerate() {
             let sc = _mm512_set1_ps(e8m0_scale(s));
-            // SAFETY: as in the AVX2 version.
+            // SAFETY: group g has 16 packed bytes and 32 inputs per x (lengths checked).
             unsafe {
                 let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed.as_ptr().add(16 * g) as *const __m128i));
                 let even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut), sc);
                 let odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), sc);
-                let x = xp.as_ptr().add(32 * g);
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(x), even, acc);
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(16)), odd, acc);
+                for t in 0..N {
+                    let xt = x[t].add(32 * g);
+                    acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), even, acc[t]);
+                    acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt.add(16)), odd, acc[t]);
+                }
             }
         }
-        reduce_lanes(&unsafe { store16(acc) })
+        for t in 0..N {
+            out[t] = reduce_lanes(&unsafe { store16(acc[t]) });
+        }
+    }
+
+    /// Up to 4 inputs against one row: each group dequantized once (as in `dot_mxfp4_avx2`).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_mxfp4_avx2_inputs(xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
+        // SAFETY: lengths checked by the caller; at most 4 inputs.
+        unsafe { by_count!(avx2_n, xs, packed, scales, out, 1 2 3; 4) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2_n<const N: usize>(xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
+        let mag = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
+        let x: [*const f32; N] = std::array::from_fn(|t| xs[t].as_ptr());
+        let (mut lo, mut hi) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
+        for (g, &s) in scales.iter().enumerate() {
+            let sc = _mm256_set1_ps(e8m0_scale(s));
+            // SAFETY: group g has 16 packed bytes and 32 inputs per x (lengths checked).
+            unsafe {
+                let p = packed.as_ptr().add(16 * g);
+                let w_even_lo = _mm256_mul_ps(half_avx2(p, mag, 0), sc);
+                let w_even_hi = _mm256_mul_ps(half_avx2(p.add(8), mag, 0), sc);
+                let w_odd_lo = _mm256_mul_ps(half_avx2(p, mag, 4), sc);
+                let w_odd_hi = _mm256_mul_ps(half_avx2(p.add(8), mag, 4), sc);
+                for t in 0..N {
+                    let xt = x[t].add(32 * g);
+                    lo[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xt), w_even_lo, lo[t]);
+                    hi[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xt.add(8)), w_even_hi, hi[t]);
+                    lo[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xt.add(16)), w_odd_lo, lo[t]);
+                    hi[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xt.add(24)), w_odd_hi, hi[t]);
+                }
+            }
+        }
+        for t in 0..N {
+            out[t] = reduce_lanes(&unsafe { store2(lo[t], hi[t]) });
+        }
     }
 }

@@ -70,6 +70,26 @@ fn mxfp4_dot_matches_dequantized_reference_and_isas() {
 }
 
 #[test]
+fn one_row_against_many_inputs_equals_each_dot_alone_bitwise() {
+    let mut rng = Rng(5);
+    let cols = 320;
+    let packed: Vec<u8> = (0..cols / 2).map(|_| rng.next() as u8).collect();
+    let scales: Vec<u8> = (0..cols / 32).map(|_| 100 + (rng.next() % 50) as u8).collect();
+    let xs: Vec<Vec<f32>> = (0..19).map(|_| permute_for_mxfp4(&(0..cols).map(|_| rng.f32()).collect::<Vec<_>>())).collect();
+    // Input counts around the SIMD paths' blocks of 4 and 8.
+    for n in [1usize, 3, 4, 5, 8, 9, 19] {
+        let refs: Vec<&[f32]> = xs[..n].iter().map(|x| &x[..]).collect();
+        for isa in Isa::available() {
+            let mut out = vec![0f32; n];
+            dot_mxfp4_inputs(isa, &refs, &packed, &scales, &mut out);
+            for (t, x) in refs.iter().enumerate() {
+                assert_eq!(out[t].to_bits(), dot_mxfp4(Isa::Scalar, x, &packed, &scales).to_bits(), "{isa:?}, {n} inputs, input {t}");
+            }
+        }
+    }
+}
+
+#[test]
 fn the_cpus_simd_kernels_are_under_test() {
     let isas = Isa::available();
     #[cfg(target_arch = "aarch64")]

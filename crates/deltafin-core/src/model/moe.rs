@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use super::loader::Loader;
 use crate::config::{ExpertShape, K3Config};
 use crate::error::{Error, Result};
-use crate::kernels::{matmul_bf16, permute_for_mxfp4, Isa, Mxfp4Matrix};
+use crate::kernels::{dot_mxfp4_inputs, matmul_bf16, permute_for_mxfp4, Isa, Mxfp4Matrix};
 use crate::math::{rms_norm_in_place, sigmoid, situ};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
@@ -156,16 +156,34 @@ impl ExpertLayout {
 pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
     let [w1, w2, w3] = layout.matrices(bytes)?;
     let (inter, latent) = (layout.shape.inter, layout.shape.latent);
-    // Each weight row is read once for all token rows; every value is one fixed-order dot.
-    let zp: Vec<Vec<f32>> = (0..z.rows).map(|t| permute_for_mxfp4(z.row(t))).collect();
+    // Each weight row is read once for all token rows, its groups dequantized once for all of
+    // them; every value is still one fixed-order dot (`dot_mxfp4_inputs`).
+    let t = z.rows;
+    let zp: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(z.row(i))).collect();
+    let zr: Vec<&[f32]> = zp.iter().map(|x| &x[..]).collect();
     let act: Vec<Vec<f32>> = (0..inter)
         .into_par_iter()
         .with_min_len(32)
-        .map(|r| zp.iter().map(|x| situ(w3.dot_row(isa, r, x), w1.dot_row(isa, r, x), cfg.situ_beta, cfg.situ_linear_beta)).collect())
+        .map(|r| {
+            let (mut gate, mut up) = (vec![0f32; t], vec![0f32; t]);
+            let ((p3, s3), (p1, s1)) = (w3.row_bytes(r), w1.row_bytes(r));
+            dot_mxfp4_inputs(isa, &zr, p3, s3, &mut gate);
+            dot_mxfp4_inputs(isa, &zr, p1, s1, &mut up);
+            gate.iter().zip(&up).map(|(&g, &u)| situ(g, u, cfg.situ_beta, cfg.situ_linear_beta)).collect()
+        })
         .collect();
-    let ap: Vec<Vec<f32>> = (0..z.rows).map(|t| permute_for_mxfp4(&act.iter().map(|col| col[t]).collect::<Vec<_>>())).collect();
-    let y: Vec<Vec<f32>> =
-        (0..latent).into_par_iter().with_min_len(32).map(|r| ap.iter().map(|a| w2.dot_row(isa, r, a)).collect()).collect();
+    let ap: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(&act.iter().map(|col| col[i]).collect::<Vec<_>>())).collect();
+    let ar: Vec<&[f32]> = ap.iter().map(|x| &x[..]).collect();
+    let y: Vec<Vec<f32>> = (0..latent)
+        .into_par_iter()
+        .with_min_len(32)
+        .map(|r| {
+            let (p, s) = w2.row_bytes(r);
+            let mut out = vec![0f32; t];
+            dot_mxfp4_inputs(isa, &ar, p, s, &mut out);
+            out
+        })
+        .collect();
     let mut out = Mat::zeros(z.rows, latent);
     for t in 0..z.rows {
         for (r, col) in y.iter().enumerate() {
