@@ -161,33 +161,31 @@ pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[
     let t = z.rows;
     let zp: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(z.row(i))).collect();
     let zr: Vec<&[f32]> = zp.iter().map(|x| &x[..]).collect();
-    let act: Vec<Vec<f32>> = (0..inter)
-        .into_par_iter()
-        .with_min_len(32)
-        .map(|r| {
-            let (mut gate, mut up) = (vec![0f32; t], vec![0f32; t]);
-            let ((p3, s3), (p1, s1)) = (w3.row_bytes(r), w1.row_bytes(r));
-            dot_mxfp4_inputs(isa, &zr, p3, s3, &mut gate);
-            dot_mxfp4_inputs(isa, &zr, p1, s1, &mut up);
-            gate.iter().zip(&up).map(|(&g, &u)| situ(g, u, cfg.situ_beta, cfg.situ_linear_beta)).collect()
-        })
-        .collect();
-    let ap: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(&act.iter().map(|col| col[i]).collect::<Vec<_>>())).collect();
+    // Row-major `[row][token]` outputs written in place: no allocation per weight row.
+    let mut act = vec![0f32; inter * t];
+    act.par_chunks_mut(t).with_min_len(32).enumerate().for_each(|(r, act)| {
+        let mut up = [0f32; 8];
+        let ((p3, s3), (p1, s1)) = (w3.row_bytes(r), w1.row_bytes(r));
+        for (zr, act) in zr.chunks(8).zip(act.chunks_mut(8)) {
+            let up = &mut up[..zr.len()];
+            dot_mxfp4_inputs(isa, zr, p3, s3, act);
+            dot_mxfp4_inputs(isa, zr, p1, s1, up);
+            for (a, &u) in act.iter_mut().zip(up.iter()) {
+                *a = situ(*a, u, cfg.situ_beta, cfg.situ_linear_beta);
+            }
+        }
+    });
+    let ap: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(&(0..inter).map(|r| act[r * t + i]).collect::<Vec<_>>())).collect();
     let ar: Vec<&[f32]> = ap.iter().map(|x| &x[..]).collect();
-    let y: Vec<Vec<f32>> = (0..latent)
-        .into_par_iter()
-        .with_min_len(32)
-        .map(|r| {
-            let (p, s) = w2.row_bytes(r);
-            let mut out = vec![0f32; t];
-            dot_mxfp4_inputs(isa, &ar, p, s, &mut out);
-            out
-        })
-        .collect();
+    let mut y = vec![0f32; latent * t];
+    y.par_chunks_mut(t).with_min_len(32).enumerate().for_each(|(r, y)| {
+        let (p, s) = w2.row_bytes(r);
+        dot_mxfp4_inputs(isa, &ar, p, s, y);
+    });
     let mut out = Mat::zeros(z.rows, latent);
-    for t in 0..z.rows {
-        for (r, col) in y.iter().enumerate() {
-            out.row_mut(t)[r] = col[t];
+    for i in 0..t {
+        for (r, o) in out.row_mut(i).iter_mut().enumerate() {
+            *o = y[r * t + i];
         }
     }
     Ok(out)
