@@ -19,6 +19,8 @@ pub struct RunConfig {
     pub prefetch: bool,
     pub policy: CachePolicy,
     pub chunk: Option<usize>,
+    /// Reader-enforced read cap, bytes/s (the fallback where the kernel cannot throttle).
+    pub read_cap: Option<u64>,
 }
 
 /// One measured generation.
@@ -28,6 +30,7 @@ pub fn generate(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize) -> Re
         .prefetch(cfg.prefetch)
         .cache_policy(cfg.policy)
         .prefill_chunk(cfg.chunk)
+        .read_caps(cfg.read_cap.into_iter().collect())
         .context(prompt.len() + new + 8)
         .open()?;
     let mut ids = Vec::new();
@@ -111,26 +114,58 @@ fn bracketed<T>(store: &Path, f: impl FnOnce() -> Result<T>) -> Result<(T, f64)>
     Ok((out, (before + after) / 2.0))
 }
 
+/// Tokens per decode repeat and repeats per configuration.
+fn decode_shape(quick: bool) -> (usize, usize) {
+    if quick {
+        (6, 2)
+    } else {
+        (16, 3)
+    }
+}
+
+/// The compute-only decode step (seconds per token, everything in RAM) for the decode prompt.
+pub fn compute_step(ckpt: &Path, vocab: u32, quick: bool) -> Result<f64> {
+    let step = 1.0 / in_ram(ckpt, &prompt(8, vocab), decode_shape(quick).0)?.decode_tok_s.max(1e-9);
+    eprintln!("decode compute-only: {step:.3} s/token");
+    Ok(step)
+}
+
 /// Decode results plus the compute-only step time (seconds per token, everything in RAM).
 ///
 /// The disk changes speed from minute to minute, so each repeat is bracketed by its own
 /// device-limit measurement (QD 4, the engine's queue depth) and judged against it.
 pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -> Result<(Vec<DecodeResult>, f64)> {
-    let (new, repeats) = if quick { (6, 2) } else { (16, 3) };
+    let step = compute_step(ckpt, vocab, quick)?;
+    Ok((decode_with(store, vocab, budget, quick, step, None)?, step))
+}
+
+/// The decode configurations, judged against `compute_step`; `read_cap` (a reader-enforced
+/// cap) also bounds each repeat's device limit.
+pub fn decode_with(
+    store: &Path,
+    vocab: u32,
+    budget: u64,
+    quick: bool,
+    compute_step: f64,
+    read_cap: Option<u64>,
+) -> Result<Vec<DecodeResult>> {
+    let (new, repeats) = decode_shape(quick);
     let p = prompt(8, vocab);
-    let compute_step = 1.0 / in_ram(ckpt, &p, new)?.decode_tok_s.max(1e-9);
-    eprintln!("decode compute-only: {compute_step:.3} s/token");
+    let config = |label: &str, prefetch, policy| RunConfig { label: label.into(), budget, prefetch, policy, chunk: None, read_cap };
     let configs = [
-        RunConfig { label: "next-use+prefetch (default)".into(), budget, prefetch: true, policy: CachePolicy::NextUse, chunk: None },
-        RunConfig { label: "next-use, no prefetch".into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk: None },
-        RunConfig { label: "lru+prefetch".into(), budget, prefetch: true, policy: CachePolicy::Lru, chunk: None },
+        config("next-use+prefetch (default)", true, CachePolicy::NextUse),
+        config("next-use, no prefetch", false, CachePolicy::NextUse),
+        config("lru+prefetch", true, CachePolicy::Lru),
     ];
     let mut reference: Option<Vec<u32>> = None;
-    let mut out = Vec::new();
-    for c in &configs {
-        let mut r = DecodeResult { label: c.label.clone(), ids_equal: true, ..Default::default() };
-        for _ in 0..repeats {
-            let ((ids, s), limit) = bracketed(store, || generate(store, c, &p, new))?;
+    let mut out: Vec<DecodeResult> =
+        configs.iter().map(|c| DecodeResult { label: c.label.clone(), ids_equal: true, ..Default::default() }).collect();
+    // Round-robin: each round runs every configuration once, so a change of the disk's regime
+    // lands on all of them and the rounds can be compared pairwise.
+    for _ in 0..repeats {
+        for (c, r) in configs.iter().zip(&mut out) {
+            let ((ids, s), measured) = bracketed(store, || generate(store, c, &p, new))?;
+            let limit = read_cap.map_or(measured, |cap| measured.min(cap as f64));
             match &reference {
                 None => reference = Some(ids),
                 Some(want) => r.ids_equal &= *want == ids,
@@ -161,9 +196,14 @@ pub fn decode(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -
                 r.overlap.last().expect("pushed")
             );
         }
-        out.push(r);
     }
-    Ok((out, compute_step))
+    Ok(out)
+}
+
+/// Per round, the first configuration's tok/s over the second's (prefetch on / off): paired
+/// within a round, so the disk's regime changes between rounds cancel.
+pub fn paired_gain(d: &[DecodeResult]) -> Vec<f64> {
+    d[0].tok_s.iter().zip(&d[1].tok_s).map(|(a, b)| a / b.max(1e-9)).collect()
 }
 
 /// Per-prompt-length prefill summary.
@@ -204,7 +244,7 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
             if chunk == Some(64) && n <= 64 {
                 continue;
             }
-            let c = RunConfig { label: name.into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk };
+            let c = RunConfig { label: name.into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk, read_cap: None };
             let mut r = PrefillResult { tokens: n, schedule: name.into(), ids_equal: true, compute_s, ..Default::default() };
             let reps = if chunk == Some(1) { 1 } else { repeats };
             for _ in 0..reps {

@@ -5,6 +5,7 @@
 //! Ratios are measured within one run (the disk changes speed minute to minute); repeated
 //! configurations report min / median / max.
 
+mod capped;
 mod device;
 mod engine_runs;
 mod ladder;
@@ -100,6 +101,61 @@ fn append_decode_run(bench_dir: &Path, q: &str, d: &[engine_runs::DecodeResult])
     Ok(())
 }
 
+const TABLE_HEAD: &str = "| config | tok/s min / median / max | device limit MB/s (median) | vs bound min / median / max | vs busy min / median / max | read MB/s (median) | of device limit min / median / max | while busy: MB/s (median), of device limit | MB/token | hit rate | read wait s | compute s | prefetch used/issued | prefetch recall | prefetch wasted MB | ids equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+
+/// The decode table under `intro`, shared by the uncapped and capped runs.
+fn decode_section(intro: &str, d: &[engine_runs::DecodeResult], compute_step: f64) -> String {
+    let mut md = format!(
+        "{intro} Compute alone (everything in RAM, same run): {compute_step:.3} s/token. *vs bound* = step time / max(MB per token at that repeat's device limit, compute-only step). *vs busy* = step time / max(time the drive had reads in flight, compute-only step): the part of a step that is neither reading nor compute, independent of the disk's speed at that moment. *Read MB/s* = decode expert bytes / decode time; *while busy* = the same bytes / the time the drive had reads in flight.\n"
+    );
+    let fmt3 = |v: &[f64], scale: f64, unit: &str, digits: usize| {
+        let (a, b, c) = engine_runs::spread(v);
+        format!("{:.digits$}{unit} / {:.digits$}{unit} / {:.digits$}{unit}", a * scale, b * scale, c * scale)
+    };
+    let gain = engine_runs::paired_gain(d);
+    let _ = writeln!(
+        md,
+        "\nPrefetch gain (tok/s of the default over `next-use, no prefetch`, paired within each round, the configurations run round-robin): {} (min / median / max).\n",
+        fmt3(&gain, 1.0, "x", 3)
+    );
+    md += TABLE_HEAD;
+    for r in d {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.0} | {} | {} | {:.0} | {} | {:.0}, {:.0}% | {:.0} | {:.1}% | {:.2} | {:.2} | {}/{} | {:.0}% | {:.0} | {} |",
+            r.label,
+            fmt3(&r.tok_s, 1.0, "", 2),
+            mb(engine_runs::spread(&r.limit).1),
+            fmt3(&r.vs_bound, 1.0, "x", 2),
+            fmt3(&r.overlap, 1.0, "x", 2),
+            mb(engine_runs::spread(&r.read_bytes_per_s).1),
+            fmt3(&r.device_fraction(), 100.0, "%", 0),
+            mb(engine_runs::spread(&r.busy_bytes_per_s).1),
+            100.0 * engine_runs::spread(&r.busy_fraction()).1,
+            mb(r.bytes_per_token),
+            100.0 * r.hit_rate,
+            r.read_wait_s,
+            r.compute_s,
+            r.prefetch_used,
+            r.prefetch_issued,
+            100.0 * r.prefetch_recall,
+            mb(r.prefetch_wasted_bytes as f64),
+            r.ids_equal
+        );
+    }
+    md
+}
+
+fn decode_svg(path: &Path, title: &str, d: &[engine_runs::DecodeResult]) -> Result<()> {
+    let labels: Vec<String> = d.iter().map(|r| r.label.clone()).collect();
+    std::fs::write(path, svg::bars(title, "tok/s", &labels, &[("tok/s", d.iter().map(|r| engine_runs::spread(&r.tok_s).1).collect())]))?;
+    Ok(())
+}
+
+fn decode_json(d: &[engine_runs::DecodeResult], compute_step: f64) -> serde_json::Value {
+    json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_limit": r.limit, "device_fraction": r.device_fraction(), "busy_bytes_per_s": r.busy_bytes_per_s, "busy_fraction": r.busy_fraction(), "vs_bound": r.vs_bound, "vs_busy": r.overlap, "prefetch_recall": r.prefetch_recall, "prefetch_wasted_bytes": r.prefetch_wasted_bytes, "compute_only_step_s": compute_step, "ids_equal": r.ids_equal, "prefetch_gain_paired": engine_runs::paired_gain(d)})).collect::<Vec<_>>())
+}
+
 /// Runs `which` and updates the report.
 pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::Limiter) -> Result<()> {
     let docs = root().join("docs");
@@ -137,50 +193,30 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
     }
     if matches!(which, Which::Decode | Which::All) {
         let (d, compute_step) = engine_runs::decode(&store, &ckpt, vocab, budget, quick)?;
-        let mut md = format!(
-            "## Decode\n\n`cargo xtask bench decode{q}` — `slice` store (4.2 GB of experts), RAM budget {:.1} GB, 8-token prompt. Each repeat is bracketed by its own device-limit measurement (expert-sized `O_DIRECT` reads at QD 4, the engine's queue depth, right before and after it) and judged against their mean, since the disk changes speed from minute to minute. Compute alone (everything in RAM, same run): {compute_step:.3} s/token. *vs bound* = step time / max(MB per token at that repeat's device limit, compute-only step). *vs busy* = step time / max(time the drive had reads in flight, compute-only step): the part of a step that is neither reading nor compute, independent of the disk's speed at that moment. *Read MB/s* = decode expert bytes / decode time; *while busy* = the same bytes / the time the drive had reads in flight.\n\n| config | tok/s min / median / max | device limit MB/s (median) | vs bound min / median / max | vs busy min / median / max | read MB/s (median) | of device limit min / median / max | while busy: MB/s (median), of device limit | MB/token | hit rate | read wait s | compute s | prefetch used/issued | prefetch recall | prefetch wasted MB | ids equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        let intro = format!(
+            "## Decode\n\n`cargo xtask bench decode{q}` — `slice` store (4.2 GB of experts), RAM budget {:.1} GB, 8-token prompt, the disk uncapped. Each repeat is bracketed by its own device-limit measurement (expert-sized `O_DIRECT` reads at QD 4, the engine's queue depth, right before and after it) and judged against their mean, since the disk changes speed from minute to minute.",
             budget as f64 / 1e9,
         );
-        let fmt3 = |v: &[f64], scale: f64, unit: &str, digits: usize| {
-            let (a, b, c) = engine_runs::spread(v);
-            format!("{:.digits$}{unit} / {:.digits$}{unit} / {:.digits$}{unit}", a * scale, b * scale, c * scale)
-        };
-        for r in &d {
-            writeln!(
-                md,
-                "| {} | {} | {:.0} | {} | {} | {:.0} | {} | {:.0}, {:.0}% | {:.0} | {:.1}% | {:.2} | {:.2} | {}/{} | {:.0}% | {:.0} | {} |",
-                r.label,
-                fmt3(&r.tok_s, 1.0, "", 2),
-                mb(engine_runs::spread(&r.limit).1),
-                fmt3(&r.vs_bound, 1.0, "x", 2),
-                fmt3(&r.overlap, 1.0, "x", 2),
-                mb(engine_runs::spread(&r.read_bytes_per_s).1),
-                fmt3(&r.device_fraction(), 100.0, "%", 0),
-                mb(engine_runs::spread(&r.busy_bytes_per_s).1),
-                100.0 * engine_runs::spread(&r.busy_fraction()).1,
-                mb(r.bytes_per_token),
-                100.0 * r.hit_rate,
-                r.read_wait_s,
-                r.compute_s,
-                r.prefetch_used,
-                r.prefetch_issued,
-                100.0 * r.prefetch_recall,
-                mb(r.prefetch_wasted_bytes as f64),
-                r.ids_equal
-            )?;
-        }
-        let labels: Vec<String> = d.iter().map(|r| r.label.clone()).collect();
-        std::fs::write(
-            bench_dir.join("decode.svg"),
-            svg::bars("Decode (median)", "tok/s", &labels, &[("tok/s", d.iter().map(|r| engine_runs::spread(&r.tok_s).1).collect())]),
-        )?;
-        md += "\n![decode](bench/decode.svg)\n";
-        std::fs::write(bench_dir.join("decode.md"), md)?;
+        let md = decode_section(&intro, &d, compute_step);
+        std::fs::write(bench_dir.join("decode.md"), md + "\n![decode](bench/decode.svg)\n")?;
+        decode_svg(&bench_dir.join("decode.svg"), "Decode, disk uncapped (median)", &d)?;
         append_decode_run(&bench_dir, q, &d)?;
-        json.insert(
-            "decode".into(),
-            json!(d.iter().map(|r| json!({"config": r.label, "tok_s": r.tok_s, "bytes_per_token": r.bytes_per_token, "hit_rate": r.hit_rate, "read_wait_s": r.read_wait_s, "compute_s": r.compute_s, "read_bytes_per_s": r.read_bytes_per_s, "device_limit": r.limit, "device_fraction": r.device_fraction(), "busy_bytes_per_s": r.busy_bytes_per_s, "busy_fraction": r.busy_fraction(), "vs_bound": r.vs_bound, "vs_busy": r.overlap, "prefetch_recall": r.prefetch_recall, "prefetch_wasted_bytes": r.prefetch_wasted_bytes, "compute_only_step_s": compute_step, "ids_equal": r.ids_equal})).collect::<Vec<_>>()),
+        json.insert("decode".into(), decode_json(&d, compute_step));
+
+        let (d, compute_step, enforced) = capped::decode(&store, &ckpt, vocab, budget, quick)?;
+        let how = match enforced {
+            capped::Enforced::Kernel => "the kernel's cgroup v1 blkio throttle on the disk holding the store",
+            capped::Enforced::Reader => "the engine's reader (the kernel throttle was unavailable on this machine; each repeat's limit is the lower of the cap and the measured disk)",
+        };
+        let intro = format!(
+            "## Decode on a capped drive\n\n`cargo xtask bench decode{q}` (second part) — the same runs with every read capped at {} MB/s by {how}: below the disk's dependable floor (~1.0 GB/s), so the device limit holds still through the run and the decode targets can be judged against it. The device limit is still measured by the harness (the same `O_DIRECT` reads at QD 4 through the same cap, before and after each repeat). The throttle is a byte budget per time slice: a short idle is made up by a burst at the disk's own speed afterwards (a timeline of reads shows three experts at ~2 GB/s, then a ~70 ms stall), so a read-bound run loses nothing to the few milliseconds the drive idles between layers, and prefetch can only add bytes here. A real drive does not bank idle time: there (the uncapped table) the guesses fill it.",
+            capped::CAP / 1_000_000,
         );
+        let md = decode_section(&intro, &d, compute_step);
+        std::fs::write(bench_dir.join("decode-capped.md"), md + "\n![decode capped](bench/decode-capped.svg)\n")?;
+        decode_svg(&bench_dir.join("decode-capped.svg"), "Decode, one drive capped (median)", &d)?;
+        append_decode_run(&bench_dir, &format!("{q} (capped {} MB/s)", capped::CAP / 1_000_000), &d)?;
+        json.insert("decode_capped".into(), decode_json(&d, compute_step));
     }
     if matches!(which, Which::Prefill | Which::All) {
         let p = engine_runs::prefill(&store, &ckpt, vocab, budget, quick)?;
@@ -276,7 +312,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
     }
     // Assemble the report from whatever sections exist.
     let mut report = String::from("# Benchmarks\n\nEvery number below was produced by the command shown beside it (`cargo xtask bench ...`) on the development machine (2 Zen 5 cores, one noisy virtio disk; see `shared/BENCH-MACHINE.md`). Compare ratios within one section: the disk changes speed from minute to minute.\n\n");
-    for s in ["device", "decode", "decode-runs", "prefill", "ladder", "ladder-reader"] {
+    for s in ["device", "decode", "decode-capped", "decode-runs", "prefill", "ladder", "ladder-reader"] {
         if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
             report += &t;
             report.push('\n');
