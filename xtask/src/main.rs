@@ -44,8 +44,9 @@ enum Cmd {
         /// Also write machine-readable results here.
         #[arg(long)]
         json: Option<PathBuf>,
-        /// What caps the ladder's emulated drives: the kernel's throttle where it can, else the
-        /// engine's reader (`auto`), or one of them.
+        /// What caps emulated drives. The ladder: the kernel's throttle where it can, else the
+        /// engine's reader (`auto`), or one of them. The capped decode run: the reader unless
+        /// `cgroup` (the kernel's throttle banks short idle, which the reader's clock does not).
         #[arg(long, value_enum, default_value = "auto")]
         limiter: xtask::bench::Limiter,
     },
