@@ -34,6 +34,13 @@ pub struct Stats {
     /// Decode expert demands that a prefetch had already fetched or started / all decode demands.
     pub prefetch_recall: f64,
     pub prefetch_wasted_bytes: u64,
+    /// Decode steps whose last layer worked out a provisional next token, and how many of those
+    /// matched the real one: the next token's first MoE layer is prefetched from it only while
+    /// they mostly do.
+    pub provisional_tokens: u64,
+    pub provisional_tokens_right: u64,
+    /// Steps that prefetched the next token's first MoE layer.
+    pub boundary_guesses: u64,
     /// Reads and bytes per drive.
     #[serde(serialize_with = "ser_homes")]
     pub per_drive: Vec<HomeStats>,

@@ -23,6 +23,9 @@ pub enum Error {
     #[error("expert {layer}/{expert}: no working drive holds it (last error: {last})")]
     Unavailable { layer: usize, expert: usize, last: String },
     /// The RAM budget is too small to run at all.
+    #[error("expert {layer}/{expert}: a reader thread failed ({why}); this is a bug in deltafin, please report it")]
+    ReaderFailed { layer: usize, expert: usize, why: String },
+
     #[error("RAM budget {budget} bytes is too small: this model needs at least {minimum} bytes ({why})")]
     BudgetTooSmall { budget: u64, minimum: u64, why: String },
     /// The store was built for a different model.

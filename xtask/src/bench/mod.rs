@@ -278,7 +278,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
                         "every drive a plain folder on the one disk, its cap enforced by the engine's reader (`--read-caps`; the fallback where the kernel lacks loop devices or the blkio throttle)",
                         "ladder-reader",
                     ),
-                    _ => ("Drive ladder", "every drive a loop device capped by the cgroup v1 blkio throttle", "ladder"),
+                    _ => ("Drive ladder", "every drive a loop device capped by the cgroup v1 blkio throttle (a byte budget per 100 ms slice, which forgives idle shorter than a slice by bursting after it; `--limiter reader` gives the stricter reading, where idle time is lost as on a real drive)", "ladder"),
                 };
                 let mut md = format!("## {title}\n\n`cargo xtask bench ladder{q}{flag}` — `slice-mini` (real expert size), {how}, every expert on every drive, RAM budget 700 MB. Ideal = sum of the drives' caps / measured expert bytes per token. Each rung is run {} times: tok/s and ideal are medians, efficiency is min / median / max of the runs' measured / ideal; bytes per drive are from the last run.\n\n| profile | drives | caps MB/s | tok/s | ideal tok/s | efficiency min / median / max | MB/token | MB read per drive |\n|---|---|---|---|---|---|---|---|\n", rungs.first().map_or(0, |r| r.efficiencies.len()));
                 for r in &rungs {

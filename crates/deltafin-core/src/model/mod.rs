@@ -212,22 +212,24 @@ impl Model {
         Ok(self.route(l, &x))
     }
 
-    /// A guess, made inside the last layer of a one-token pass, at what the *next* token's first
-    /// MoE layer will route: the provisional `mlp_out` of the last layer gives provisional logits,
-    /// their argmax the next token, and that token runs through the layers up to the first MoE
-    /// layer on throwaway copies of `states` (which end as they were). Returns that layer and its
-    /// routes (`None` for a model without MoE layers). `mlp_out` must be the last layer's. Only
-    /// good for prefetching: the real next token may differ.
-    pub fn guess_next_token_routes(&self, states: &mut [LayerState], res: &Residual, mlp_out: &Mat) -> Result<Option<(usize, Vec<Route>)>> {
+    /// The next token a step would produce if this last layer's MLP output were `mlp_out` (a
+    /// provisional output, some experts still missing): the argmax of its logits. Only good for
+    /// prefetching: the real next token may differ.
+    pub fn provisional_next_token(&self, res: &Residual, mlp_out: &Mat) -> Option<u32> {
         let mut r = res.clone();
         self.finish_layer(&mut r, mlp_out);
         let rows = r.partial.rows;
         if rows == 0 {
-            return Ok(None);
+            return None;
         }
         let logits = self.logits(&r, rows - 1..rows);
-        let next = crate::math::argmax(logits.row(0));
-        let mut r = Residual::new(self.embed(&[next])?);
+        Some(crate::math::argmax(logits.row(0)))
+    }
+
+    /// Runs `token` up to the first MoE layer on throwaway copies of `states` and returns that
+    /// layer and its routes (`None` without an MoE layer); `states` end as they were.
+    pub fn first_moe_routes(&self, states: &mut [LayerState], token: u32) -> Result<Option<(usize, Vec<Route>)>> {
+        let mut r = Residual::new(self.embed(&[token])?);
         for (l, state) in states.iter_mut().enumerate() {
             let x = self.scratch_attention(l, state, &mut r)?;
             match self.config.mlp[l] {
@@ -239,6 +241,15 @@ impl Model {
             }
         }
         Ok(None)
+    }
+
+    /// [`Model::provisional_next_token`] then [`Model::first_moe_routes`]: the routes of the next
+    /// token's first MoE layer, guessed from a provisional last-layer output.
+    pub fn guess_next_token_routes(&self, states: &mut [LayerState], res: &Residual, mlp_out: &Mat) -> Result<Option<(usize, Vec<Route>)>> {
+        match self.provisional_next_token(res, mlp_out) {
+            Some(t) => self.first_moe_routes(states, t),
+            None => Ok(None),
+        }
     }
 
     /// Layer `l`'s attention on a throwaway copy of `state`: a KDA state is copied, an MLA cache

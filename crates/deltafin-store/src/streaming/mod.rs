@@ -87,7 +87,7 @@ struct Inflight {
 #[derive(Clone, Copy, Debug)]
 struct Job {
     key: Key,
-    part: Option<usize>,
+    part: Option<split::PartRef>,
     /// Bytes this job adds to its home's backlog.
     len: u64,
 }
@@ -362,13 +362,33 @@ impl Inner {
                     }
                 }
             };
-            let slot = ReadSlot { inner: &self, home };
-            match job.part {
-                Some(part) => self.run_part(slot, job, part, copy, priority),
-                None => {
-                    let result = self.read_one(slot, job.key, priority, copy);
-                    self.finish(home, job.key, copy, result);
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let slot = ReadSlot { inner: &self, home };
+                match job.part {
+                    Some(part) => self.run_part(slot, job, part, copy, priority),
+                    None => {
+                        let result = self.read_one(slot, job.key, priority, copy);
+                        self.finish(home, job.key, copy, result);
+                    }
                 }
+            }));
+            if let Err(panic) = run {
+                // A bug must not leave the engine waiting forever on a read that no thread is
+                // doing: whoever waits for this expert gets the error, and this thread goes on.
+                let why = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "panic".into());
+                let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(inf) = st.inflight.remove(&job.key) {
+                    for w in &inf.waiters {
+                        let _ = w
+                            .send((job.key.1, Err(Error::ReaderFailed { layer: job.key.0, expert: job.key.1 as usize, why: why.clone() })));
+                    }
+                }
+                drop(st);
+                self.work.notify_all();
             }
         }
     }

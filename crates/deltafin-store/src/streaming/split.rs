@@ -8,6 +8,7 @@
 //! another drive; a checksum mismatch falls back to whole reads, copy by copy, so a corrupt copy
 //! is found and reported exactly as without splitting.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,8 +39,22 @@ struct Part {
     run: Run,
 }
 
+/// Part `index` of the split read numbered `split`. A guess can be cancelled and its expert
+/// requested afresh while parts of the old read are still queued or running; the number keeps
+/// those from touching the new read's parts or buffer (a part marked running by a stale job, or
+/// a buffer installed over the new one, would leave the new read waiting forever).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct PartRef {
+    pub(super) index: usize,
+    pub(super) split: u64,
+}
+
+/// Numbers split reads; unique for the life of the process.
+static NEXT_SPLIT: AtomicU64 = AtomicU64::new(0);
+
 /// The parts of one split read and the buffer they fill.
 pub(super) struct Split {
+    id: u64,
     parts: Vec<Part>,
     buf: Option<Arc<AlignedBuf>>,
     allocating: bool,
@@ -52,10 +67,15 @@ impl Split {
     }
 }
 
+/// The split read `id` of `key`, if it is still the one in flight.
+fn split_of(st: &mut State, key: Key, id: u64) -> Option<&mut Split> {
+    st.inflight.get_mut(&key)?.split.as_mut().filter(|s| s.id == id)
+}
+
 /// Marks part `part` taken by a reader of `home`; `None` if it is not (or no longer) queued there.
-pub(super) fn take_part(inf: &mut Inflight, part: usize) -> Option<(Priority, usize)> {
-    let split = inf.split.as_mut()?;
-    let p = split.parts.get_mut(part)?;
+pub(super) fn take_part(inf: &mut Inflight, part: PartRef) -> Option<(Priority, usize)> {
+    let split = inf.split.as_mut().filter(|s| s.id == part.split)?;
+    let p = split.parts.get_mut(part.index)?;
     if p.run != Run::Queued {
         return None;
     }
@@ -67,12 +87,49 @@ pub(super) fn take_part(inf: &mut Inflight, part: usize) -> Option<(Priority, us
 /// (the copies left in the prefetch queues are skipped when popped).
 pub(super) fn promote_parts(st: &mut State, key: Key, homes_of: impl Fn(usize) -> usize) {
     let Some(split) = st.inflight.get(&key).and_then(|i| i.split.as_ref()) else { return };
+    let id = split.id;
     let queued: Vec<(usize, usize, u64)> =
         split.parts.iter().enumerate().filter(|(_, p)| p.run == Run::Queued).map(|(n, p)| (homes_of(p.copy), n, p.len)).collect();
     for (home, n, len) in queued {
         st.homes[home].queued_bytes += len;
-        st.homes[home].demand.push_back(Job { key, part: Some(n), len });
+        st.homes[home].demand.push_back(Job { key, part: Some(PartRef { index: n, split: id }), len });
     }
+}
+
+/// Shares of a `len`-byte read over `drives` (copy, rate in bytes/s, bytes already queued), so
+/// that every drive used finishes at the same moment: `(queued + share) / rate` equal for all,
+/// the shares summing to `len`. A drive whose backlog alone outlasts that moment gets nothing,
+/// and the moment is worked out again without it (otherwise the others' shares would add up to
+/// more than the expert). Shares are page multiples, at least `piece_min`, except the last,
+/// which takes the rounding leftovers and the unaligned tail.
+fn plan_shares(len: u64, drives: &[(usize, f64, u64)], piece_min: u64) -> Vec<(usize, u64)> {
+    let align = BUF_ALIGN as u64;
+    let mut set: Vec<(usize, f64, u64)> = drives.to_vec();
+    let mut sizes: Vec<(usize, u64)> = loop {
+        let rate: f64 = set.iter().map(|d| d.1).sum();
+        let backlog: f64 = set.iter().map(|d| d.2 as f64).sum();
+        let t = (len as f64 + backlog) / rate;
+        let want = |d: &(usize, f64, u64)| ((t * d.1 - d.2 as f64).max(0.0) as u64) / align * align;
+        let keep: Vec<(usize, f64, u64)> = set.iter().copied().filter(|d| want(d) >= piece_min).collect();
+        if keep.len() == set.len() || keep.is_empty() {
+            break keep.iter().map(|d| (d.0, want(d))).collect();
+        }
+        set = keep;
+    };
+    if sizes.is_empty() {
+        // Every drive is far behind: read it whole from the one that frees up first.
+        let best = drives.iter().min_by(|a, b| (a.2 as f64 / a.1).total_cmp(&(b.2 as f64 / b.1)));
+        return best.map(|d| vec![(d.0, len)]).unwrap_or_default();
+    }
+    // Hand out in order, never more than is left; the last share takes the rest.
+    let mut left = len;
+    let last = sizes.len() - 1;
+    for (n, s) in sizes.iter_mut().enumerate() {
+        s.1 = if n == last { left } else { s.1.min(left) };
+        left -= s.1;
+    }
+    sizes.retain(|s| s.1 > 0);
+    sizes
 }
 
 impl Inner {
@@ -91,7 +148,6 @@ impl Inner {
         if usable.len() < 2 && lanes < 2 {
             return false;
         }
-        // Equal finish times: (queued_h + s_h) / rate_h = T for every drive, sum s_h = len.
         let rate = |i: usize| {
             let r = st.homes[e.copies[i].home].stats.rate;
             if r > 0.0 {
@@ -100,30 +156,9 @@ impl Inner {
                 DEFAULT_RATE
             }
         };
-        let total_rate: f64 = usable.iter().map(|&i| rate(i)).sum();
-        let backlog: f64 = usable.iter().map(|&i| st.homes[e.copies[i].home].queued_bytes as f64).sum();
-        let t = (e.len as f64 + backlog) / total_rate;
+        let drives: Vec<(usize, f64, u64)> = usable.iter().map(|&i| (i, rate(i), st.homes[e.copies[i].home].queued_bytes)).collect();
         let piece_min = (min / 4).max(BUF_ALIGN as u64);
-        let mut sizes: Vec<(usize, u64)> = usable
-            .iter()
-            .map(|&i| {
-                let want = (t * rate(i) - st.homes[e.copies[i].home].queued_bytes as f64).max(0.0) as u64;
-                (i, want / BUF_ALIGN as u64 * BUF_ALIGN as u64)
-            })
-            .filter(|&(_, s)| s >= piece_min)
-            .collect();
-        if sizes.is_empty() {
-            // Every drive is far behind the others' finish time: read it whole from the best.
-            let best = usable.iter().copied().min_by(|&a, &b| {
-                let eta = |i: usize| st.homes[e.copies[i].home].queued_bytes as f64 / rate(i);
-                eta(a).total_cmp(&eta(b))
-            });
-            sizes.extend(best.map(|i| (i, e.len)));
-        }
-        // Rounding leftovers go to the last share; it also carries the unaligned tail.
-        let assigned: u64 = sizes[..sizes.len() - 1].iter().map(|s| s.1).sum();
-        let last = sizes.len() - 1;
-        sizes[last].1 = e.len - assigned;
+        let sizes = plan_shares(e.len, &drives, piece_min);
         // Each drive's share is cut again over its reader threads, so that the drive's queue stays
         // full to the end of a layer: the last few reads of a step would otherwise run at queue
         // depth one, at about half the drive's throughput (`cargo xtask bench device`).
@@ -142,26 +177,28 @@ impl Inner {
         if parts.len() < 2 {
             return false;
         }
+        let id = NEXT_SPLIT.fetch_add(1, Ordering::Relaxed);
         for (n, p) in parts.iter().enumerate() {
             let home = e.copies[p.copy].home;
             st.homes[home].queued_bytes += p.len;
-            let job = Job { key, part: Some(n), len: p.len };
+            let job = Job { key, part: Some(PartRef { index: n, split: id }), len: p.len };
             match priority {
                 Priority::Demand => st.homes[home].demand.push_back(job),
                 Priority::Prefetch => st.homes[home].prefetch.push_back(job),
             }
         }
-        let split = Split { parts, buf: None, allocating: false };
+        let split = Split { id, parts, buf: None, allocating: false };
         st.inflight
             .insert(key, Inflight { waiters: waiter.into_iter().collect(), priority, tried: vec![], started: true, split: Some(split) });
         true
     }
 
-    /// Gets (or allocates, once) the buffer all parts of `key` write into.
-    fn split_buffer(&self, key: Key, window: u64, priority: Priority) -> Option<Arc<AlignedBuf>> {
+    /// Gets (or allocates, once) the buffer all parts of split read `id` write into; `None` when
+    /// there is no room or the read is no longer in flight.
+    fn split_buffer(&self, key: Key, id: u64, window: u64, priority: Priority) -> Option<Arc<AlignedBuf>> {
         let mut st = self.state.lock().expect("poisoned");
         loop {
-            let split = st.inflight.get_mut(&key)?.split.as_mut()?;
+            let split = split_of(&mut st, key, id)?;
             if let Some(b) = &split.buf {
                 return Some(b.clone());
             }
@@ -170,8 +207,9 @@ impl Inner {
                 drop(st);
                 let buf = self.alloc(window as usize, key, priority).map(Arc::new);
                 let mut st = self.state.lock().expect("poisoned");
-                let split = st.inflight.get_mut(&key).and_then(|i| i.split.as_mut());
-                let out = match (split, buf) {
+                // Installed only in the read it was allocated for (a buffer for a cancelled read
+                // goes back to the budget when dropped here).
+                let out = match (split_of(&mut st, key, id), buf) {
                     (Some(s), Some(b)) => {
                         s.buf = Some(b.clone());
                         s.allocating = false;
@@ -192,14 +230,16 @@ impl Inner {
     }
 
     /// Reads part `part` of a split read on `home` and completes the expert when it is the last.
-    pub(super) fn run_part(&self, slot: ReadSlot<'_>, job: Job, part: usize, copy: usize, priority: Priority) {
+    pub(super) fn run_part(&self, slot: ReadSlot<'_>, job: Job, part: PartRef, copy: usize, priority: Priority) {
         let home = slot.home;
         let key = job.key;
+        let (id, part) = (part.split, part.index);
         let e = self.entry(key);
         let window = e.len.div_ceil(BUF_ALIGN as u64) * BUF_ALIGN as u64;
-        let Some(buf) = self.split_buffer(key, window, priority) else {
+        let Some(buf) = self.split_buffer(key, id, window, priority) else {
             let mut st = self.state.lock().expect("poisoned");
-            if st.inflight.get(&key).is_some_and(|i| i.waiters.is_empty() && i.priority == Priority::Prefetch) {
+            let ours = split_of(&mut st, key, id).is_some();
+            if ours && st.inflight.get(&key).is_some_and(|i| i.waiters.is_empty() && i.priority == Priority::Prefetch) {
                 // A guess that finds no room is dropped, never waited for.
                 st.inflight.remove(&key);
                 st.homes[home].queued_bytes -= job.len;
@@ -208,7 +248,7 @@ impl Inner {
                 return;
             }
             // No room yet: put the part back and let other jobs (which may free memory) run.
-            if let Some(p) = st.inflight.get_mut(&key).and_then(|i| i.split.as_mut()).and_then(|s| s.parts.get_mut(part)) {
+            if let Some(p) = split_of(&mut st, key, id).and_then(|s| s.parts.get_mut(part)) {
                 p.run = Run::Queued;
                 st.homes[home].demand.push_back(job);
             } else {
@@ -221,12 +261,11 @@ impl Inner {
             return;
         };
         let (start, len) = {
-            let st = self.state.lock().expect("poisoned");
-            match st.inflight.get(&key).and_then(|i| i.split.as_ref()).and_then(|s| s.parts.get(part)) {
+            let mut st = self.state.lock().expect("poisoned");
+            match split_of(&mut st, key, id).and_then(|s| s.parts.get(part)) {
                 Some(p) => (p.start, p.len),
                 None => {
-                    drop(st);
-                    self.state.lock().expect("poisoned").homes[home].queued_bytes -= job.len;
+                    st.homes[home].queued_bytes -= job.len;
                     return;
                 }
             }
@@ -250,21 +289,14 @@ impl Inner {
         drop(slot);
         let mut st = self.state.lock().expect("poisoned");
         st.homes[home].queued_bytes -= job.len;
-        let Some(inf) = st.inflight.get_mut(&key) else {
-            // A stale guess, cancelled while this part was being read.
+        let Some(split) = split_of(&mut st, key, id) else {
+            // A stale guess, cancelled while this part was being read (the expert may have been
+            // requested afresh since, as another split read with its own buffer).
             if result.is_ok() {
                 st.stats.prefetch_wasted_bytes += len;
             }
             return;
         };
-        let Some(split) = inf.split.as_mut() else { return };
-        if !split.buf.as_ref().is_some_and(|b| Arc::ptr_eq(b, &buf)) {
-            // This part belongs to a cancelled guess; the expert was requested afresh since.
-            if result.is_ok() {
-                st.stats.prefetch_wasted_bytes += len;
-            }
-            return;
-        }
         match result {
             Ok(_) => {
                 split.parts[part].run = Run::Done;
@@ -278,11 +310,7 @@ impl Inner {
                     let bytes = Bytes::new(owner, 0, e.len as usize);
                     let good = crate::manifest::checksum(bytes.as_slice()) == e.xxh3;
                     let mut st = self.state.lock().expect("poisoned");
-                    let still_wanted = st
-                        .inflight
-                        .get(&key)
-                        .and_then(|i| i.split.as_ref())
-                        .is_some_and(|s| s.buf.as_ref().is_some_and(|b| Arc::ptr_eq(b, &buf)));
+                    let still_wanted = split_of(&mut st, key, id).is_some();
                     if !still_wanted {
                         // A guess cancelled while its expert was being checked.
                         st.stats.prefetch_wasted_bytes += e.len;
@@ -327,7 +355,7 @@ impl Inner {
                         p.run = Run::Queued;
                         let other = e.copies[n].home;
                         st.homes[other].queued_bytes += len;
-                        st.homes[other].demand.push_front(Job { key, part: Some(part), len });
+                        st.homes[other].demand.push_front(Job { key, part: Some(PartRef { index: part, split: id }), len });
                     }
                     None => {
                         let inf = st.inflight.remove(&key).expect("present");
@@ -341,5 +369,48 @@ impl Inner {
         }
         drop(st);
         self.work.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(len: u64, drives: &[(usize, f64, u64)]) -> Vec<(usize, u64)> {
+        let shares = plan_shares(len, drives, 1 << 19);
+        assert_eq!(shares.iter().map(|s| s.1).sum::<u64>(), len, "{shares:?}");
+        assert!(shares.iter().all(|s| s.1 > 0), "{shares:?}");
+        for s in &shares[..shares.len() - 1] {
+            assert_eq!(s.1 % BUF_ALIGN as u64, 0, "{shares:?}");
+        }
+        shares
+    }
+
+    #[test]
+    fn equal_idle_drives_share_equally() {
+        let len = 17_547_264 + 100;
+        let shares = check(len, &[(0, 1e8, 0), (1, 1e8, 0), (2, 1e8, 0)]);
+        assert_eq!(shares.len(), 3);
+        assert!(shares.iter().all(|s| s.1.abs_diff(len / 3) < 8192), "{shares:?}");
+    }
+
+    #[test]
+    fn a_drive_whose_backlog_outlasts_the_others_gets_nothing_and_the_rest_still_add_up() {
+        // Unequal drives (13.6 : 7.1 : 7.1 : 5.7), the slowest holding a long queue: the moment
+        // worked out with it would give the others more than the expert (this once made a part
+        // run past the end of the expert's buffer).
+        let len = 17_547_264;
+        let drives = [(0, 136e6, 0), (1, 71e6, 4 << 20), (2, 71e6, 0), (3, 57e6, 60 << 20)];
+        let shares = check(len, &drives);
+        assert!(shares.iter().all(|s| s.0 != 3), "{shares:?}");
+        let fast = shares.iter().find(|s| s.0 == 0).unwrap().1;
+        let slow = shares.iter().find(|s| s.0 == 2).unwrap().1;
+        assert!(fast > slow, "{shares:?}");
+    }
+
+    #[test]
+    fn every_drive_far_behind_reads_whole_from_the_first_free() {
+        let shares = check(4 << 20, &[(0, 1e8, 900 << 20), (1, 1e8, 800 << 20)]);
+        assert_eq!(shares, vec![(1, 4 << 20)]);
     }
 }
