@@ -18,6 +18,10 @@ use deltafin_store::Manifest;
 
 const CGROUP: &str = "/sys/fs/cgroup/blkio/deltafin-ladder";
 
+/// A rung's run is killed after this many seconds (a normal one takes under a minute): a hung
+/// engine fails the ladder with its stderr instead of holding the harness forever.
+const RUN_LIMIT_S: u32 = 900;
+
 /// What enforces the emulated drives' read caps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Limiter {
@@ -190,7 +194,7 @@ pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str, limi
             );
             let script = if limiter == Limiter::Reader {
                 let caps: Vec<String> = rates[..n].iter().map(|r| format!("{}", *r as u64)).collect();
-                format!("exec {run} --read-caps {}", caps.join(","))
+                format!("exec timeout {RUN_LIMIT_S} {run} --read-caps {}", caps.join(","))
             } else {
                 let _ = std::fs::remove_dir(CGROUP);
                 std::fs::create_dir_all(CGROUP)?;
@@ -198,7 +202,7 @@ pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str, limi
                     // Drives beyond n are capped too (unused); caps apply to every thread of the run.
                     std::fs::write(format!("{CGROUP}/blkio.throttle.read_bps_device"), format!("{dev} {}", rates[i] as u64))?;
                 }
-                format!("echo $$ > {CGROUP}/cgroup.procs; exec {run}")
+                format!("echo $$ > {CGROUP}/cgroup.procs; exec timeout {RUN_LIMIT_S} {run}")
             };
             let sum: f64 = rates[..n].iter().sum();
             let (mut tok, mut ideals, mut effs, mut bpts) = (vec![], vec![], vec![], vec![]);
