@@ -22,10 +22,11 @@ pub enum Error {
     /// No working home holds a copy of the expert.
     #[error("expert {layer}/{expert}: no working drive holds it (last error: {last})")]
     Unavailable { layer: usize, expert: usize, last: String },
-    /// The RAM budget is too small to run at all.
+    /// A reader thread panicked while reading this expert (a bug): its waiters get this instead of
+    /// waiting forever.
     #[error("expert {layer}/{expert}: a reader thread failed ({why}); this is a bug in deltafin, please report it")]
     ReaderFailed { layer: usize, expert: usize, why: String },
-
+    /// The RAM budget is too small to run at all.
     #[error("RAM budget {budget} bytes is too small: this model needs at least {minimum} bytes ({why})")]
     BudgetTooSmall { budget: u64, minimum: u64, why: String },
     /// The store was built for a different model.

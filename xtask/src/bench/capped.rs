@@ -71,26 +71,25 @@ fn disk_of(path: &Path) -> Result<String> {
 }
 
 /// Runs the decode configurations with every read capped at [`CAP`], enforced by the reader
-/// unless `limiter` asks for the kernel; returns what enforced it.
+/// unless `limiter` asks for the kernel, judged against `compute_step` (the compute-only step the
+/// uncapped part measured); returns what enforced the cap.
 pub fn decode(
     store: &Path,
-    ckpt: &Path,
     vocab: u32,
     budget: u64,
     quick: bool,
+    compute_step: f64,
     limiter: Limiter,
-) -> Result<(Vec<DecodeResult>, f64, Limiter)> {
-    // The compute-only run reads the checkpoint through the page cache: measure it uncapped.
-    let compute_step = engine_runs::compute_step(ckpt, vocab, quick)?;
+) -> Result<(Vec<DecodeResult>, Limiter)> {
     if limiter == Limiter::Cgroup {
         super::ladder::available().map_err(|e| anyhow::anyhow!("kernel read caps unavailable: {e} (try --limiter reader)"))?;
         let dev = disk_of(&store.join("manifest.json"))?;
         let _throttle = Throttle::new(&dev, CAP)?;
         eprintln!("capped decode: reads from {dev} throttled to {} MB/s by the kernel", CAP / 1_000_000);
         let d = engine_runs::decode_with(store, vocab, budget, quick, compute_step, None)?;
-        return Ok((d, compute_step, Limiter::Cgroup));
+        return Ok((d, Limiter::Cgroup));
     }
     eprintln!("capped decode: the reader holds reads to {} MB/s", CAP / 1_000_000);
     let d = engine_runs::decode_with(store, vocab, budget, quick, compute_step, Some(CAP))?;
-    Ok((d, compute_step, Limiter::Reader))
+    Ok((d, Limiter::Reader))
 }

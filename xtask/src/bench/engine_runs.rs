@@ -19,7 +19,7 @@ pub struct RunConfig {
     pub prefetch: bool,
     pub policy: CachePolicy,
     pub chunk: Option<usize>,
-    /// Reader-enforced read cap, bytes/s (the fallback where the kernel cannot throttle).
+    /// Read cap enforced by the engine's reader, bytes/s (the capped decode run).
     pub read_cap: Option<u64>,
 }
 
@@ -124,7 +124,7 @@ fn decode_shape(quick: bool) -> (usize, usize) {
 }
 
 /// The compute-only decode step (seconds per token, everything in RAM) for the decode prompt.
-pub fn compute_step(ckpt: &Path, vocab: u32, quick: bool) -> Result<f64> {
+fn compute_step(ckpt: &Path, vocab: u32, quick: bool) -> Result<f64> {
     let step = 1.0 / in_ram(ckpt, &prompt(8, vocab), decode_shape(quick).0)?.decode_tok_s.max(1e-9);
     eprintln!("decode compute-only: {step:.3} s/token");
     Ok(step)

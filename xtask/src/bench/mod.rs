@@ -203,7 +203,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         append_decode_run(&bench_dir, q, "", &d)?;
         json.insert("decode".into(), decode_json(&d, compute_step));
 
-        let (d, compute_step, used) = capped::decode(&store, &ckpt, vocab, budget, quick, limiter)?;
+        let (d, used) = capped::decode(&store, vocab, budget, quick, compute_step, limiter)?;
         let (flag, how) = match used {
             ladder::Limiter::Cgroup => (
                 " --limiter cgroup",
