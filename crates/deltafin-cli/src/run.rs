@@ -150,7 +150,16 @@ pub fn run(a: RunArgs) -> Result<()> {
         write!(out, "{}", dec.finish())?;
         writeln!(out)?;
     }
-    model.save_heat()?;
+    if stats.context_limit_reached {
+        eprintln!(
+            "note: stopped after {} tokens: the sequence reached its context limit of {} tokens (raise --context for longer output)",
+            stats.generated_tokens,
+            a.model.context
+        );
+    }
+    if let Err(e) = model.save_heat() {
+        eprintln!("warning: expert heat not saved ({e}); --pin will not learn from this run");
+    }
     if a.stats {
         if let Some(p) = model.memory_plan() {
             eprintln!(

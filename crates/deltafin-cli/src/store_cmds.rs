@@ -60,6 +60,10 @@ pub struct SetupArgs {
     /// How many homes hold each expert (a second copy lets reads fail over to another drive).
     #[arg(long, default_value_t = 1)]
     pub copies: usize,
+    /// Replace what the store holds (another checkpoint, or the same one set up with other
+    /// arguments) instead of refusing.
+    #[arg(long)]
+    pub reinstall: bool,
 }
 
 pub fn run_setup(a: SetupArgs) -> Result<()> {
@@ -72,19 +76,25 @@ pub fn run_setup(a: SetupArgs) -> Result<()> {
         homes: a.homes.clone(),
         layout: if a.in_place { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs },
         copies: a.copies,
+        reinstall: a.reinstall,
     };
     let m = setup(&opts, &Bars::new())?;
+    ready(&a.out, &m);
+    Ok(())
+}
+
+fn ready(out: &std::path::Path, m: &deltafin_store::Manifest) {
     let bytes: u64 = m.experts.iter().map(|e| e.len).sum();
     eprintln!(
-        "store ready at {}: spine {:.1} MB, {} experts ({:.1} MB) over {} home(s), layout {}",
-        a.out.display(),
+        "store ready at {}: spine {:.1} MB, {} experts ({:.1} MB) over {} home(s), layout {}, content {}",
+        out.display(),
         m.spine_bytes as f64 / 1e6,
         m.experts.len(),
         bytes as f64 / 1e6,
         m.homes.len(),
-        m.layout
+        m.layout,
+        &m.content_id[..16]
     );
-    Ok(())
 }
 
 #[derive(Args, Debug)]
@@ -95,24 +105,33 @@ pub struct DoctorArgs {
     /// Also read every expert and compare its checksum (reads the whole store).
     #[arg(long)]
     pub verify: bool,
+    /// Repair the store: re-run setup with the arguments it was made with (re-verifies every
+    /// byte and rewrites what is wrong from the checkpoint), then verify it.
+    #[arg(long)]
+    pub repair: bool,
 }
 
 pub fn run_doctor(a: DoctorArgs) -> Result<()> {
-    let r = doctor(&a.model, a.verify, &Bars::new())?;
+    if a.repair {
+        let m = deltafin_store::repair(&a.model, &Bars::new())?;
+        ready(&a.model, &m);
+    }
+    let verify = a.verify || a.repair;
+    let r = doctor(&a.model, verify, &Bars::new())?;
     if r.ok() {
         eprintln!(
             "{}: OK ({} experts, {} copies{})",
             a.model.display(),
             r.experts_checked,
             r.copies_checked,
-            if a.verify { ", checksums verified" } else { "" }
+            if verify { ", checksums verified" } else { "" }
         );
         return Ok(());
     }
     for p in &r.problems {
         eprintln!("problem: {p}");
     }
-    bail!("{} problem(s) found in {}; re-run `deltafin setup` with the same arguments to repair", r.problems.len(), a.model.display())
+    bail!("{} problem(s) found in {}; {}", r.problems.len(), a.model.display(), r.advice)
 }
 
 /// Parses sizes like `512M`, `2G`, `1.5GiB`, `4096`.

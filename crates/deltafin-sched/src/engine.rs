@@ -337,6 +337,12 @@ impl Engine {
             if opts.stop_ids.contains(&next) || !keep_going || generated == opts.max_new {
                 break;
             }
+            // The context is full: end like `max_new` does, keeping what was generated (an error
+            // here would throw it away).
+            if seq.ids.len() + 1 > seq.context_limit {
+                stats.context_limit_reached = true;
+                break;
+            }
             let (l, r) = self.forward_inner(seq, &[next], LogitRows::Last, opts.cancel.as_ref(), generated + 1 < opts.max_new)?;
             read_wait += r.read_wait;
             last = l.row(0).to_vec();

@@ -46,6 +46,8 @@ pub struct Stats {
     pub per_drive: Vec<HomeStats>,
     /// Peak resident set of the process so far.
     pub peak_rss_bytes: u64,
+    /// Generation ended because the sequence reached its context limit (not `max_new`).
+    pub context_limit_reached: bool,
 }
 
 fn ser_homes<S: serde::Serializer>(v: &[HomeStats], s: S) -> std::result::Result<S::Ok, S::Error> {

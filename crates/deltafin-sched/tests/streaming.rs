@@ -35,7 +35,8 @@ fn make_store(dir: &Path, homes: usize, copies: usize, layout: ExpertLayoutKind)
     for h in &homes {
         std::fs::create_dir_all(h).unwrap();
     }
-    setup(&SetupOptions { source: fixture(), out: out.clone(), homes, layout, copies }, &NoProgress).unwrap();
+    let homes = if layout == ExpertLayoutKind::InPlace { Vec::new() } else { homes };
+    setup(&SetupOptions { source: fixture(), out: out.clone(), homes, layout, copies, reinstall: false }, &NoProgress).unwrap();
     out
 }
 

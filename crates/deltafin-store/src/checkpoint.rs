@@ -182,6 +182,19 @@ impl Checkpoint {
         Ok((layout, spans))
     }
 
+    /// Checks the checkpoint the way a run uses it: every spine tensor the model loads (name,
+    /// dtype, shape), every routed expert's six records, and the tokenizer. Setup calls this
+    /// first, so it never installs a checkpoint that `run` would refuse.
+    pub fn validate(&self) -> Result<()> {
+        deltafin_core::Model::load(self.config.clone(), self)?;
+        for l in self.config.moe_layers() {
+            self.expert_spans(l)?;
+        }
+        let (ranks, config) = self.tokenizer_texts()?;
+        deltafin_core::Tokenizer::from_tiktoken(&ranks, config.as_deref(), deltafin_core::K3_PATTERN)?;
+        Ok(())
+    }
+
     /// Expert bytes straight from the memory map (the in-RAM path; tests and small models).
     pub fn mapped_bytes(&self, span: &ExpertSpan) -> Result<Bytes> {
         let shard =

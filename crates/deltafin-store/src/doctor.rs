@@ -1,20 +1,27 @@
-//! `deltafin doctor`: checks a store against its manifest: every file present, no expert
-//! truncated, and with `verify` every expert's bytes against its checksum.
+//! `deltafin doctor`: checks a store against its manifest, and repairs it.
+//!
+//! Without `verify`: the manifest's seal and structure, the small files' checksums, every file
+//! present and long enough. With `verify`: also every spine tensor's and expert copy's bytes,
+//! and the sidecars setup resumes from. [`repair`] re-runs setup with the arguments the store
+//! recorded, which re-verifies everything and rewrites what is wrong.
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::error::Result;
-use crate::manifest::{checksum, Manifest};
-use crate::setup::Progress;
+use crate::error::{Error, Result};
+use crate::manifest::{checksum, read_sealed, Manifest, SealError, SetupRecord};
+use crate::setup::{ExpertLayoutKind, Progress, SetupOptions};
 
 /// What doctor found.
 #[derive(Debug, Default)]
 pub struct DoctorReport {
     pub experts_checked: usize,
     pub copies_checked: usize,
-    /// One line per problem, naming the expert and the file.
+    pub spine_tensors_checked: usize,
+    /// One line per problem, naming what and where.
     pub problems: Vec<String>,
+    /// What to run to fix them.
+    pub advice: String,
 }
 
 impl DoctorReport {
@@ -24,9 +31,20 @@ impl DoctorReport {
     }
 }
 
-/// Checks the store at `dir`; `verify` also reads every expert and compares checksums.
+/// The arguments the store at `dir` was set up with: from `setup.json`, else its manifest.
+pub fn setup_record(dir: &Path) -> Option<SetupRecord> {
+    read_sealed::<SetupRecord>(&dir.join("setup.json")).ok().or_else(|| Manifest::read(dir).ok().map(|m| m.setup))
+}
+
+/// Checks the store at `dir`; `verify` also reads every byte and compares checksums.
 pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<DoctorReport> {
-    let mut r = DoctorReport::default();
+    let mut r = DoctorReport { advice: crate::manifest::repair_advice(dir), ..Default::default() };
+    if setup_record(dir).is_none() {
+        r.advice = format!(
+            "this store has no record of how it was made: run `deltafin setup --full --from CHECKPOINT --out {}` with its original --home/--copies/--in-place arguments",
+            dir.display()
+        );
+    }
     let m = match Manifest::read(dir) {
         Ok(m) => m,
         Err(e) => {
@@ -34,20 +52,54 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
             return Ok(r);
         }
     };
-    match std::fs::read(dir.join("config.json")) {
-        Ok(c) if checksum(&c) == m.model_hash => {}
-        Ok(_) => r.problems.push(format!("{}: config.json belongs to another model than this store's manifest", dir.display())),
-        Err(e) => r.problems.push(format!("{}: {e}", dir.join("config.json").display())),
+    r.advice = m.advice(dir);
+    for (name, sum) in &m.files {
+        match std::fs::read(dir.join(name)) {
+            Ok(b) if b.len() as u64 == sum.bytes && checksum(&b) == sum.xxh3 => {}
+            Ok(_) => r.problems.push(format!("{}: changed since setup (checksum mismatch)", dir.join(name).display())),
+            Err(e) => r.problems.push(format!("{}: {e}", dir.join(name).display())),
+        }
     }
-    let spine = dir.join(&m.spine_file);
-    match std::fs::metadata(&spine) {
-        Ok(md) if md.len() == m.spine_bytes => {}
-        Ok(md) => r.problems.push(format!("{}: {} bytes, expected {} (truncated)", spine.display(), md.len(), m.spine_bytes)),
-        Err(e) => r.problems.push(format!("{}: {e}", spine.display())),
+    let cfg = match std::fs::read_to_string(dir.join("config.json")).ok().and_then(|t| deltafin_core::K3Config::from_json(&t).ok()) {
+        Some(c) => c,
+        None => {
+            r.problems.push(format!("{}: missing or not a valid config", dir.join("config.json").display()));
+            return Ok(r);
+        }
+    };
+    if let Err(e) = m.validate(&cfg, dir) {
+        r.problems.push(e.to_string());
+        return Ok(r);
     }
-    let total: u64 = m.experts.iter().map(|e| e.len * e.copies.len() as u64).sum();
-    progress.begin(if verify { "verify" } else { "check" }, total);
+    let spine_total: u64 = m.spine.values().map(|t| t.len).sum();
+    let expert_total: u64 = m.experts.iter().map(|e| e.len * e.copies.len() as u64).sum();
+    progress.begin(if verify { "verify" } else { "check" }, spine_total + expert_total);
     let mut buf = Vec::new();
+    let files: Vec<Option<std::fs::File>> = (0..m.spine_files.len()).map(|i| std::fs::File::open(m.spine_path(dir, i)).ok()).collect();
+    for (i, f) in files.iter().enumerate() {
+        if f.is_none() {
+            r.problems.push(format!("{}: spine file missing or unreadable", m.spine_path(dir, i).display()));
+        }
+    }
+    for (name, t) in &m.spine {
+        r.spine_tensors_checked += 1;
+        let path = m.spine_path(dir, t.file);
+        let what = format!("spine tensor `{name}` in {} at offset {}", path.display(), t.offset);
+        if let Some(f) = &files[t.file] {
+            let len = f.metadata().map(|md| md.len()).unwrap_or(0);
+            if len < t.offset + t.len {
+                r.problems.push(format!("{what}: truncated (file is {len} bytes)"));
+            } else if verify {
+                buf.resize(t.len as usize, 0);
+                match f.read_exact_at(&mut buf, t.offset) {
+                    Err(e) => r.problems.push(format!("{what}: unreadable ({e})")),
+                    Ok(()) if checksum(&buf) != t.xxh3 => r.problems.push(format!("{what}: corrupt (checksum mismatch)")),
+                    Ok(()) => {}
+                }
+            }
+        }
+        progress.advance(t.len);
+    }
     for e in &m.experts {
         r.experts_checked += 1;
         for c in &e.copies {
@@ -74,5 +126,67 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
         }
     }
     progress.end();
+    if verify {
+        check_records(dir, &m, &mut r);
+    }
     Ok(r)
+}
+
+/// The files setup resumes and repairs from: the setup record and every sealed sidecar.
+fn check_records(dir: &Path, m: &Manifest, r: &mut DoctorReport) {
+    match read_sealed::<SetupRecord>(&dir.join("setup.json")) {
+        Ok(rec) if rec == m.setup => {}
+        Ok(_) => r.problems.push(format!("{}: does not match the manifest's setup record", dir.join("setup.json").display())),
+        Err(SealError::Missing) => r.problems.push(format!("{}: missing", dir.join("setup.json").display())),
+        Err(SealError::Bad(why)) => r.problems.push(format!("{}: {why}", dir.join("setup.json").display())),
+    }
+    let mut sidecars = Vec::new();
+    if m.layout == crate::manifest::LAYOUT_PACKS {
+        sidecars.push(dir.join("spine.bin.json"));
+        let mut packs: Vec<std::path::PathBuf> = m.experts.iter().flat_map(|e| e.copies.iter().map(|c| m.copy_path(c))).collect();
+        packs.sort();
+        packs.dedup();
+        sidecars.extend(packs.into_iter().map(|p| std::path::PathBuf::from(format!("{}.json", p.display()))));
+    } else {
+        sidecars.push(dir.join("inplace-spine.json"));
+        sidecars.extend(m.layouts.iter().map(|(l, _)| dir.join(format!("inplace-L{l:03}.json"))));
+    }
+    for p in sidecars {
+        match read_sealed::<serde_json::Value>(&p) {
+            Ok(v) if v.get("source_id").and_then(|s| s.as_str()) == Some(m.source_id.as_str()) => {}
+            Ok(_) => r.problems.push(format!("{}: sidecar of another checkpoint", p.display())),
+            Err(SealError::Missing) => r.problems.push(format!("{}: sidecar missing", p.display())),
+            Err(SealError::Bad(why)) => r.problems.push(format!("{}: {why}", p.display())),
+        }
+    }
+}
+
+/// Repairs the store at `dir` by re-running setup with the arguments it recorded: everything is
+/// re-verified and whatever is wrong is rewritten from the checkpoint.
+pub fn repair(dir: &Path, progress: &dyn Progress) -> Result<Manifest> {
+    let rec = setup_record(dir).ok_or_else(|| {
+        Error::format(
+            dir,
+            format!(
+                "no record of how this store was made (setup.json and manifest.json are both missing or damaged): \
+                 run `deltafin setup --full --from CHECKPOINT --out {}` with its original --home/--copies/--in-place arguments",
+                dir.display()
+            ),
+        )
+    })?;
+    if !rec.source.join("config.json").exists() {
+        return Err(Error::format(
+            &rec.source,
+            format!("the checkpoint this store was installed from is gone; put it back there, or run `{}` from where it is now", rec.command(dir)),
+        ));
+    }
+    let opts = SetupOptions {
+        source: rec.source.clone(),
+        out: dir.to_path_buf(),
+        homes: rec.homes.clone(),
+        layout: if rec.layout == crate::manifest::LAYOUT_IN_PLACE { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs },
+        copies: rec.copies,
+        reinstall: false,
+    };
+    crate::setup::setup(&opts, progress)
 }

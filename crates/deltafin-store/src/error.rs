@@ -17,8 +17,27 @@ pub enum Error {
     )]
     Truncated { tensor: String, path: PathBuf, have: u64, need: u64 },
     /// An expert's bytes do not match the checksum recorded at setup.
-    #[error("expert {layer}/{expert} in {path} at offset {offset}: checksum mismatch (stored data is corrupt); run `deltafin doctor --verify` and re-run setup to repair")]
-    Corrupt { layer: usize, expert: usize, path: PathBuf, offset: u64 },
+    #[error("expert {layer}/{expert} in {path} at offset {offset}: checksum mismatch (stored data is corrupt); {advice}")]
+    Corrupt { layer: usize, expert: usize, path: PathBuf, offset: u64, advice: String },
+    /// A spine tensor's bytes do not match the checksum recorded at setup.
+    #[error("spine tensor `{tensor}` in {path} at offset {offset}: checksum mismatch (stored data is corrupt); {advice}")]
+    SpineCorrupt { tensor: String, path: PathBuf, offset: u64, advice: String },
+    /// A store file (manifest, config, tokenizer, spine file) is missing, changed or malformed.
+    #[error("{path}: {why}; {advice}")]
+    BadStore { path: PathBuf, why: String, advice: String },
+    /// The checkpoint being installed is not the one the store (or a half-finished setup) holds,
+    /// or was set up with other arguments.
+    #[error("{path}: {why}")]
+    OtherCheckpoint { path: PathBuf, why: String },
+    /// The checkpoint's bytes differ from what an earlier setup recorded for them.
+    #[error("{path}: {why}; the checkpoint changed since this store was set up: restore its original files, or install it as it is now with `--reinstall`")]
+    SourceChanged { path: PathBuf, why: String },
+    /// Another process holds the setup lock.
+    #[error("{path} is locked by {holder}: another `deltafin setup` is writing there; wait for it to finish or stop it")]
+    Locked { path: PathBuf, holder: String },
+    /// Not enough free space for what setup must write.
+    #[error("not enough free space for setup on {path}: it needs {need} more bytes ({need_gb:.2} GB), {free} bytes ({free_gb:.2} GB) are free; free some space or choose other --home/--out folders", need_gb = *.need as f64 / 1e9, free_gb = *.free as f64 / 1e9)]
+    NoSpace { path: PathBuf, need: u64, free: u64 },
     /// No working home holds a copy of the expert.
     #[error("expert {layer}/{expert}: no working drive holds it (last error: {last})")]
     Unavailable { layer: usize, expert: usize, last: String },
@@ -29,9 +48,6 @@ pub enum Error {
     /// The RAM budget is too small to run at all.
     #[error("RAM budget {budget} bytes is too small: this model needs at least {minimum} bytes ({why})")]
     BudgetTooSmall { budget: u64, minimum: u64, why: String },
-    /// The store was built for a different model.
-    #[error("store {path} belongs to another model (config hash {found}, this model {expected})")]
-    WrongModel { path: PathBuf, found: String, expected: String },
     /// Model math rejected something (config, tensor shape).
     #[error(transparent)]
     Model(#[from] deltafin_core::Error),

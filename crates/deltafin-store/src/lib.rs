@@ -17,6 +17,8 @@
 mod checkpoint;
 mod doctor;
 mod error;
+mod identity;
+mod lock;
 mod manifest;
 mod memory;
 mod reader;
@@ -27,12 +29,17 @@ mod streaming;
 
 pub use crate::{
     checkpoint::{read_header, Checkpoint, ExpertSpan, TensorEntry},
-    doctor::{doctor, DoctorReport},
+    doctor::{doctor, repair, DoctorReport},
     error::{Error, Result},
-    manifest::{checksum, Copy, ExpertEntry, Manifest, SpineTensor, ALIGN},
+    identity::source_id,
+    lock::{DirLock, LOCK_FILE},
+    manifest::{
+        checksum, read_sealed, repair_advice, write_sealed, Copy, ExpertEntry, FileSum, Manifest, SealError, SetupRecord, SpineTensor, ALIGN,
+        FORMAT, LAYOUT_IN_PLACE, LAYOUT_PACKS,
+    },
     memory::{AlignedBuf, Budget, BUF_ALIGN},
     reader::{aligned_window, open_for_read, read_aligned, CacheMode},
-    setup::{assign_homes, drop_cache, setup, ExpertLayoutKind, LocalFiles, NoProgress, Progress, SetupOptions, SpanSource},
+    setup::{assign_homes, drop_cache, setup, ExpertLayoutKind, LocalFiles, NoProgress, Progress, SetupOptions, SpanSource, PACKS_DIR},
     source::{Delivery, ExpertSource, HomeStats, MappedExperts, Priority, SourceStats},
     store::Store,
     streaming::{CachePolicy, ReaderOptions, StreamingExperts, DEFAULT_SPLIT_MIN},

@@ -1,28 +1,53 @@
-//! The store manifest: what a finished `deltafin setup` wrote and where every expert lives.
+//! The store manifest: what a finished `deltafin setup` wrote and where every byte lives.
 //!
-//! `manifest.json` is written last, atomically; its presence is what makes a store complete.
-//! It ties the store to one model (hash of `config.json`) and records, for every routed expert,
-//! its length, checksum and each copy's home, file and offset.
+//! `manifest.json` is written last, atomically; its presence is what makes a store complete. It
+//! is *sealed* (an xxh3 of its exact body text sits beside the body), so one changed digit is an
+//! error instead of a wrong offset. It names the checkpoint it holds twice over: `source_id`, a
+//! fingerprint of the checkpoint folder taken before setup reads it (headers, sizes, sampled
+//! content: see `identity.rs`), and `content_id`, a hash over the checksum of every byte the
+//! engine will compute with. Every spine tensor, small file and expert carries its own checksum.
+//!
+//! A manifest is checked *structurally* against its config before anyone uses it
+//! ([`Manifest::validate`]): every `(layer, expert)` exactly once, record layouts that fit the
+//! expert shape, spine lengths equal to shape x dtype, homes and files that exist in the lists
+//! that index them. A hand-edited or buggy manifest fails there, naming what is wrong.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use deltafin_core::K3Config;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
 /// Manifest format tag; bumped on incompatible changes.
-pub const FORMAT: &str = "deltafin-store/1";
+pub const FORMAT: &str = "deltafin-store/2";
 
 /// Bytes every pack file entry and spine tensor is aligned to (direct I/O needs 4096).
 pub const ALIGN: u64 = 4096;
 
-/// A spine tensor in `spine.bin`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+/// Small files copied into the store; the first two are required.
+pub const STORE_FILES: [&str; 4] = ["config.json", "tiktoken.model", "tokenizer_config.json", "generation_config.json"];
+
+/// A spine tensor: where it lies on disk and what its bytes hash to.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct SpineTensor {
     pub dtype: String,
     pub shape: Vec<usize>,
+    /// Index into [`Manifest::spine_files`].
+    pub file: usize,
+    /// Byte offset in that file.
     pub offset: u64,
     pub len: u64,
+    /// xxh3-64 of the tensor's bytes, hex.
+    pub xxh3: String,
+}
+
+/// A small file of the store (config, tokenizer) with its checksum.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileSum {
+    pub bytes: u64,
+    pub xxh3: String,
 }
 
 /// One copy of an expert.
@@ -46,45 +71,302 @@ pub struct ExpertEntry {
     pub copies: Vec<Copy>,
 }
 
+/// The arguments a store was set up with: what `doctor --repair` re-runs, and what a resumed
+/// setup must match.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SetupRecord {
+    /// The checkpoint folder (absolute).
+    pub source: PathBuf,
+    /// Fingerprint of that folder when setup began.
+    pub source_id: String,
+    /// `packs` or `in-place`.
+    pub layout: String,
+    /// Homes as given (absolute; empty = the store folder).
+    pub homes: Vec<PathBuf>,
+    pub copies: usize,
+}
+
+impl SetupRecord {
+    /// The `deltafin setup` command line that installs this record into `store`.
+    pub fn command(&self, store: &Path) -> String {
+        let mut c = format!("deltafin setup --full --from {} --out {}", self.source.display(), store.display());
+        if self.layout == LAYOUT_IN_PLACE {
+            c.push_str(" --in-place");
+        }
+        for h in &self.homes {
+            c.push_str(&format!(" --home {}", h.display()));
+        }
+        if self.copies != 1 {
+            c.push_str(&format!(" --copies {}", self.copies));
+        }
+        c
+    }
+}
+
+/// Layout tag of stores whose experts (and spine) are read from the checkpoint's shards.
+pub const LAYOUT_IN_PLACE: &str = "in-place";
+/// Layout tag of stores with their own spine file and aligned expert packs.
+pub const LAYOUT_PACKS: &str = "packs";
+
 /// Everything a store holds.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Manifest {
     pub format: String,
-    /// xxh3-64 of `config.json`, hex: ties the store to its model.
-    pub model_hash: String,
-    /// `in-place` (experts read from the checkpoint shards) or `packs` (aligned pack files).
+    /// Fingerprint of the checkpoint folder installed (see `identity.rs`).
+    pub source_id: String,
+    /// xxh3-128 over every checksum below: the identity of the bytes the engine computes with.
+    pub content_id: String,
+    /// `in-place` or `packs`.
     pub layout: String,
+    /// How the store was made.
+    pub setup: SetupRecord,
     /// Absolute paths of the homes (one per drive).
     pub homes: Vec<PathBuf>,
-    pub spine_file: String,
+    /// Small files in the store folder (config, tokenizer) by name.
+    pub files: BTreeMap<String, FileSum>,
+    /// Files holding spine tensors: relative to the store folder, or absolute (in place).
+    pub spine_files: Vec<PathBuf>,
+    /// Bytes the spine takes in RAM (each tensor aligned to [`ALIGN`], in name order).
     pub spine_bytes: u64,
-    pub spine: std::collections::BTreeMap<String, SpineTensor>,
+    pub spine: BTreeMap<String, SpineTensor>,
     /// Record offsets within an expert span, per MoE layer (layer, offsets).
     pub layouts: Vec<(usize, [usize; 6])>,
     pub experts: Vec<ExpertEntry>,
 }
 
+/// A sealed JSON file: the body's exact text and its xxh3, so any changed byte is found.
+#[derive(Deserialize)]
+struct Sealed<'a> {
+    xxh3: String,
+    #[serde(borrow)]
+    body: &'a serde_json::value::RawValue,
+}
+
+/// Writes `value` sealed to `path` (atomically, directory synced).
+pub fn write_sealed<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let body = serde_json::to_string_pretty(value).expect("serializable");
+    let text = format!("{{\"xxh3\": \"{}\",\n\"body\": {body}}}\n", checksum(body.as_bytes()));
+    write_atomic(path, text.as_bytes())
+}
+
+/// What went wrong reading a sealed file.
+#[derive(Debug)]
+pub enum SealError {
+    /// No such file.
+    Missing,
+    /// Present but unreadable, unparsable or not matching its seal: the reason.
+    Bad(String),
+}
+
+/// Reads a sealed file written by [`write_sealed`].
+pub fn read_sealed<T: for<'de> Deserialize<'de>>(path: &Path) -> std::result::Result<T, SealError> {
+    let text = match std::fs::read(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(SealError::Missing),
+        Err(e) => return Err(SealError::Bad(e.to_string())),
+    };
+    let sealed: Sealed = serde_json::from_slice(&text).map_err(|e| SealError::Bad(format!("not a sealed deltafin file: {e}")))?;
+    if checksum(sealed.body.get().as_bytes()) != sealed.xxh3 {
+        return Err(SealError::Bad("its checksum does not match its contents (the file was changed or damaged)".into()));
+    }
+    serde_json::from_str(sealed.body.get()).map_err(|e| SealError::Bad(format!("unexpected contents: {e}")))
+}
+
 impl Manifest {
-    /// Reads `STORE/manifest.json`, with a clear error if the folder is not a finished store.
+    /// Reads and unseals `STORE/manifest.json`, with a clear error if the folder is not a finished
+    /// store or the manifest was changed. Does not validate it against a config: see
+    /// [`Manifest::validate`].
     pub fn read(store: &Path) -> Result<Manifest> {
         let p = store.join("manifest.json");
-        let text = std::fs::read_to_string(&p).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                Error::format(&p, "no manifest: not a Deltafin store, or `deltafin setup` did not finish (re-run it to resume)")
+        let m: Manifest = match read_sealed(&p) {
+            Ok(m) => m,
+            Err(SealError::Missing) => {
+                return Err(Error::format(
+                    &p,
+                    "no manifest: not a Deltafin store, or `deltafin setup` did not finish (re-run it with the same arguments to resume)",
+                ))
             }
-            _ => Error::Io { path: p.clone(), source: e },
-        })?;
-        let m: Manifest = serde_json::from_str(&text).map_err(|e| Error::format(&p, format!("bad manifest: {e}")))?;
+            Err(SealError::Bad(why)) => {
+                let format = std::fs::read_to_string(&p).ok().and_then(|t| {
+                    serde_json::from_str::<serde_json::Value>(&t).ok()?.get("format")?.as_str().map(str::to_string)
+                });
+                let why = match format {
+                    Some(f) => format!("store format {f:?}, this build reads {FORMAT:?} (stores now carry checksums of every byte)"),
+                    None => why,
+                };
+                return Err(Error::BadStore { path: p, why, advice: repair_advice(store) });
+            }
+        };
         if m.format != FORMAT {
-            return Err(Error::format(&p, format!("store format {:?}, this build reads {FORMAT:?}; re-run setup", m.format)));
+            return Err(Error::BadStore {
+                path: p,
+                why: format!("store format {:?}, this build reads {FORMAT:?}", m.format),
+                advice: repair_advice(store),
+            });
         }
         Ok(m)
+    }
+
+    /// Writes the manifest into `store`, sealed.
+    pub fn write(&self, store: &Path) -> Result<()> {
+        write_sealed(&store.join("manifest.json"), self)
     }
 
     /// Absolute path of a copy.
     pub fn copy_path(&self, c: &Copy) -> PathBuf {
         self.homes[c.home].join(&c.file)
     }
+
+    /// Absolute path of spine file `i` of the store at `store`.
+    pub fn spine_path(&self, store: &Path, i: usize) -> PathBuf {
+        store.join(&self.spine_files[i])
+    }
+
+    /// What to do when something of this store is wrong (its bytes, not a drive).
+    pub fn advice(&self, store: &Path) -> String {
+        if self.layout == LAYOUT_IN_PLACE {
+            format!(
+                "this store reads the checkpoint at {} in place, and that checkpoint changed since setup: restore its original files, \
+                 or install it as it is now with `{} --reinstall`",
+                self.setup.source.display(),
+                self.setup.command(store)
+            )
+        } else {
+            repair_advice(store)
+        }
+    }
+
+    /// RAM offset of each spine tensor (name order, each aligned), and the total.
+    pub fn spine_placement(spine: &BTreeMap<String, SpineTensor>) -> (BTreeMap<String, u64>, u64) {
+        let mut at = BTreeMap::new();
+        let mut off = 0u64;
+        for (name, t) in spine {
+            at.insert(name.clone(), off);
+            off = align_up(off + t.len);
+        }
+        (at, off)
+    }
+
+    /// Checks the manifest's structure against `cfg`: every routed expert exactly once with a
+    /// length and layout that fit the expert shape, every index in range, spine lengths equal to
+    /// shape x dtype. `path` names the manifest in errors.
+    pub fn validate(&self, cfg: &K3Config, store: &Path) -> Result<()> {
+        let bad = |why: String| Error::BadStore { path: store.join("manifest.json"), why, advice: repair_advice(store) };
+        if self.layout != LAYOUT_PACKS && self.layout != LAYOUT_IN_PLACE {
+            return Err(bad(format!("unknown layout {:?}", self.layout)));
+        }
+        if self.homes.is_empty() {
+            return Err(bad("no homes".into()));
+        }
+        for f in &STORE_FILES[..2] {
+            if !self.files.contains_key(*f) {
+                return Err(bad(format!("{f} has no checksum")));
+            }
+        }
+        let shape = cfg.expert_shape();
+        let total = shape.total_bytes();
+        let (pb, sb) = (shape.packed_bytes(), shape.scale_bytes());
+        let record_lens = [pb, sb, pb, sb, pb, sb];
+        let moe: BTreeSet<usize> = cfg.moe_layers().into_iter().collect();
+        let mut seen_layouts = BTreeSet::new();
+        for (l, offsets) in &self.layouts {
+            if !moe.contains(l) || !seen_layouts.insert(*l) {
+                return Err(bad(format!("record layout for layer {l}: not an MoE layer of this config, or listed twice")));
+            }
+            let mut spans: Vec<(usize, usize)> = offsets.iter().zip(record_lens).map(|(&o, n)| (o, o + n)).collect();
+            spans.sort_unstable();
+            if spans.iter().any(|&(_, end)| end > total) || spans.windows(2).any(|w| w[0].1 > w[1].0) {
+                return Err(bad(format!("record layout {offsets:?} of layer {l} does not fit a {total}-byte expert")));
+            }
+        }
+        if seen_layouts != moe {
+            return Err(bad(format!("record layouts cover layers {seen_layouts:?}, the config's MoE layers are {moe:?}")));
+        }
+        let mut seen = BTreeSet::new();
+        for e in &self.experts {
+            let name = format!("expert {}/{}", e.layer, e.expert);
+            if !moe.contains(&e.layer) || e.expert >= cfg.num_experts {
+                return Err(bad(format!("{name} is not an expert of this config")));
+            }
+            if !seen.insert((e.layer, e.expert)) {
+                return Err(bad(format!("{name} is listed twice")));
+            }
+            if e.len != total as u64 {
+                return Err(bad(format!("{name} is {} bytes, experts of this config are {total}", e.len)));
+            }
+            if !is_hex(&e.xxh3, 16) {
+                return Err(bad(format!("{name} has a malformed checksum {:?}", e.xxh3)));
+            }
+            if e.copies.is_empty() {
+                return Err(bad(format!("{name} has no copy")));
+            }
+            for c in &e.copies {
+                if c.home >= self.homes.len() || !is_relative_plain(&c.file) {
+                    return Err(bad(format!("{name}: copy names home {} / file {:?}", c.home, c.file)));
+                }
+                if self.layout == LAYOUT_PACKS && c.offset % ALIGN != 0 {
+                    return Err(bad(format!("{name}: pack offset {} is not {ALIGN}-aligned", c.offset)));
+                }
+                c.offset.checked_add(e.len).ok_or_else(|| bad(format!("{name}: offset {} overflows", c.offset)))?;
+            }
+        }
+        let want = moe.len() * cfg.num_experts;
+        if seen.len() != want {
+            return Err(bad(format!("{} experts listed, this config has {want}", seen.len())));
+        }
+        for (name, t) in &self.spine {
+            let size = match t.dtype.as_str() {
+                "Bf16" => 2,
+                "F32" => 4,
+                "U8" => 1,
+                other => return Err(bad(format!("spine tensor {name}: unknown dtype {other:?}"))),
+            };
+            let numel = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64));
+            if numel.and_then(|n| n.checked_mul(size)) != Some(t.len) {
+                return Err(bad(format!("spine tensor {name}: {} bytes for {} {:?}", t.len, t.dtype, t.shape)));
+            }
+            if t.file >= self.spine_files.len() || !is_hex(&t.xxh3, 16) || t.offset.checked_add(t.len).is_none() {
+                return Err(bad(format!("spine tensor {name}: bad file index, offset or checksum")));
+            }
+        }
+        if Manifest::spine_placement(&self.spine).1 != self.spine_bytes {
+            return Err(bad(format!("spine_bytes {} does not match its tensors", self.spine_bytes)));
+        }
+        Ok(())
+    }
+
+    /// xxh3-128 over every checksum the manifest records (files, spine, experts): the identity
+    /// of the weights a store holds.
+    pub fn compute_content_id(&self) -> String {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for (n, f) in &self.files {
+            h.update(format!("file {n} {} {}\n", f.bytes, f.xxh3).as_bytes());
+        }
+        for (n, t) in &self.spine {
+            h.update(format!("spine {n} {} {:?} {}\n", t.dtype, t.shape, t.xxh3).as_bytes());
+        }
+        for (l, o) in &self.layouts {
+            h.update(format!("layout {l} {o:?}\n").as_bytes());
+        }
+        for e in &self.experts {
+            h.update(format!("expert {} {} {} {}\n", e.layer, e.expert, e.len, e.xxh3).as_bytes());
+        }
+        format!("{:032x}", h.digest128())
+    }
+}
+
+/// The advice for a store whose own bytes are wrong.
+pub fn repair_advice(store: &Path) -> String {
+    format!("run `deltafin doctor --repair --model {}` to repair it from its checkpoint", store.display())
+}
+
+fn is_hex(s: &str, n: usize) -> bool {
+    s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn is_relative_plain(file: &str) -> bool {
+    let p = Path::new(file);
+    !file.is_empty() && p.is_relative() && p.components().all(|c| matches!(c, std::path::Component::Normal(_)))
 }
 
 /// xxh3-64 of bytes as 16 hex digits.
@@ -97,16 +379,33 @@ pub fn align_up(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
 }
 
-/// Writes `bytes` to `path` via a synced temporary file and a rename: never a half file.
+/// Writes `bytes` to `path` via a synced temporary file, a rename and a synced directory: never
+/// a half file, and a power cut cannot lose the rename once this returns.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = tmp_path(path);
-    {
+    let written = (|| {
         use std::io::Write;
-        let mut f = std::fs::File::create(&tmp).map_err(Error::io(&tmp))?;
-        f.write_all(bytes).map_err(Error::io(&tmp))?;
-        f.sync_all().map_err(Error::io(&tmp))?;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::Io { path: tmp, source: e });
     }
-    std::fs::rename(&tmp, path).map_err(Error::io(path))
+    rename_synced(&tmp, path)
+}
+
+/// Renames `from` to `to` and syncs `to`'s directory.
+pub fn rename_synced(from: &Path, to: &Path) -> Result<()> {
+    std::fs::rename(from, to).map_err(Error::io(to))?;
+    sync_dir(to.parent().unwrap_or(Path::new(".")))
+}
+
+/// Syncs a directory, so the renames and removals in it survive a power cut.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(Error::io(dir))
 }
 
 /// The temporary name a file is written under before it is complete.

@@ -1,7 +1,12 @@
-//! An installed store: its manifest, its spine (read into RAM once) and its experts.
+//! An installed store: its manifest, its spine (read into RAM once, every tensor checked against
+//! its checksum) and its experts.
+//!
+//! Opening checks everything that is cheap to check before any math runs: the manifest's seal,
+//! the config's and tokenizer's checksums, and the manifest's structure against the config.
+//! Loading the spine checks every spine tensor. Experts are checked as they are read.
 
 use std::collections::HashMap;
-use std::io::Read;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use deltafin_core::{Bytes, DType, K3Config, TensorBytes, TensorSource};
@@ -21,6 +26,8 @@ pub struct Store {
     config_text: String,
     config: K3Config,
     spine: Option<Bytes>,
+    /// RAM offset of each spine tensor in `spine`.
+    placement: std::collections::BTreeMap<String, u64>,
 }
 
 impl Store {
@@ -29,17 +36,29 @@ impl Store {
         dir.join("manifest.json").exists() || dir.join(STORE_MARKER).exists()
     }
 
-    /// Opens the store at `dir`, checking its config belongs to its manifest.
+    /// Opens the store at `dir`: unseals the manifest, checks the config against its checksum
+    /// and the manifest's structure against the config.
     pub fn open(dir: &Path) -> Result<Store> {
         let manifest = Manifest::read(dir)?;
+        let config_text = String::from_utf8(Store::small_file(dir, &manifest, "config.json")?)
+            .map_err(|_| Error::format(dir.join("config.json"), "not UTF-8"))?;
         let cfg_path = dir.join("config.json");
-        let config_text = std::fs::read_to_string(&cfg_path).map_err(Error::io(&cfg_path))?;
-        let hash = checksum(config_text.as_bytes());
-        if hash != manifest.model_hash {
-            return Err(Error::WrongModel { path: dir.to_path_buf(), found: manifest.model_hash.clone(), expected: hash });
-        }
         let config = K3Config::from_json(&config_text).map_err(|e| Error::format(&cfg_path, e.to_string()))?;
-        Ok(Store { dir: dir.to_path_buf(), manifest, config_text, config, spine: None })
+        manifest.validate(&config, dir)?;
+        let (placement, _) = Manifest::spine_placement(&manifest.spine);
+        Ok(Store { dir: dir.to_path_buf(), manifest, config_text, config, spine: None, placement })
+    }
+
+    /// Reads a small file of the store and checks it against the manifest's checksum.
+    fn small_file(dir: &Path, manifest: &Manifest, name: &str) -> Result<Vec<u8>> {
+        let p = dir.join(name);
+        let bad = |why: String| Error::BadStore { path: p.clone(), why, advice: crate::manifest::repair_advice(dir) };
+        let sum = manifest.files.get(name).ok_or_else(|| bad("the manifest has no checksum for it".into()))?;
+        let bytes = std::fs::read(&p).map_err(|e| bad(e.to_string()))?;
+        if bytes.len() as u64 != sum.bytes || checksum(&bytes) != sum.xxh3 {
+            return Err(bad("its contents differ from what setup installed (checksum mismatch)".into()));
+        }
+        Ok(bytes)
     }
 
     /// The folder.
@@ -58,51 +77,78 @@ impl Store {
     pub fn config_text(&self) -> &str {
         &self.config_text
     }
-    /// Bytes of the spine file (all resident once loaded).
+    /// Bytes of the spine in RAM once loaded.
     pub fn spine_bytes(&self) -> u64 {
         self.manifest.spine_bytes
     }
 
-    /// Reads `spine.bin` into RAM in one pass (then drops it from the page cache, so the spine
-    /// is held once).
+    /// Reads every spine tensor into RAM (then drops the files from the page cache, so the spine
+    /// is held once), checking each against its checksum.
     pub fn load_spine(&mut self) -> Result<()> {
-        let p = self.dir.join(&self.manifest.spine_file);
-        let mut f = std::fs::File::open(&p).map_err(Error::io(&p))?;
-        let len = f.metadata().map_err(Error::io(&p))?.len();
-        if len != self.manifest.spine_bytes {
-            return Err(Error::format(
-                &p,
-                format!("spine file is {len} bytes, the manifest says {}: truncated? run `deltafin doctor`", self.manifest.spine_bytes),
-            ));
+        let m = &self.manifest;
+        let mut v = vec![0u8; m.spine_bytes as usize];
+        let mut files: Vec<Option<std::fs::File>> = (0..m.spine_files.len()).map(|_| None).collect();
+        for (name, t) in &m.spine {
+            let path = m.spine_path(&self.dir, t.file);
+            let f = match &mut files[t.file] {
+                Some(f) => f,
+                slot => slot.insert(std::fs::File::open(&path).map_err(|e| Error::BadStore {
+                    path: path.clone(),
+                    why: format!("spine file unreadable: {e}"),
+                    advice: m.advice(&self.dir),
+                })?),
+            };
+            let at = self.placement[name] as usize;
+            let dst = &mut v[at..at + t.len as usize];
+            f.read_exact_at(dst, t.offset).map_err(|e| Error::BadStore {
+                path: path.clone(),
+                why: format!("spine tensor `{name}` at offset {} ({} bytes) cannot be read: {e} (truncated?)", t.offset, t.len),
+                advice: m.advice(&self.dir),
+            })?;
+            if checksum(dst) != t.xxh3 {
+                return Err(Error::SpineCorrupt { tensor: name.clone(), path, offset: t.offset, advice: m.advice(&self.dir) });
+            }
         }
-        let mut v = Vec::with_capacity(len as usize);
-        f.read_to_end(&mut v).map_err(Error::io(&p))?;
-        drop_cache(&f);
+        for f in files.iter().flatten() {
+            drop_cache(f);
+        }
         self.spine = Some(Bytes::from_vec(v));
         Ok(())
     }
 
-    /// The texts of `tiktoken.model` and, if present, `tokenizer_config.json`.
+    /// The texts of `tiktoken.model` and, if the store has one, `tokenizer_config.json`, both
+    /// checked against their checksums.
     pub fn tokenizer_texts(&self) -> Result<(String, Option<String>)> {
-        crate::checkpoint::tokenizer_texts(&self.dir)
+        let text = |name: &str| -> Result<String> {
+            String::from_utf8(Store::small_file(&self.dir, &self.manifest, name)?).map_err(|_| Error::format(self.dir.join(name), "not UTF-8"))
+        };
+        let config = if self.manifest.files.contains_key("tokenizer_config.json") { Some(text("tokenizer_config.json")?) } else { None };
+        Ok((text("tiktoken.model")?, config))
     }
 
     /// Starts streaming this store's experts.
     pub fn experts(&self, opts: ReaderOptions) -> Result<StreamingExperts> {
-        StreamingExperts::start(self.manifest.clone(), self.config.expert_shape(), opts)
+        StreamingExperts::start(self.manifest.clone(), self.config.expert_shape(), opts, self.manifest.advice(&self.dir))
     }
 
-    /// Persisted expert heat (demand counts per layer and expert), if any.
+    /// Persisted expert heat (demand counts per layer and expert), if any. Entries that name no
+    /// expert of this store are dropped (the file is advisory and unchecked).
     pub fn heat(&self) -> HashMap<(usize, u32), u64> {
         let p = self.dir.join("heat.json");
         let Ok(bytes) = std::fs::read(&p) else {
             return HashMap::new();
         };
+        let moe = self.config.moe_layers();
         let v: Vec<(usize, u32, u64)> = serde_json::from_slice(&bytes).unwrap_or_default();
-        v.into_iter().map(|(l, e, n)| ((l, e), n)).collect()
+        v.into_iter()
+            .filter(|&(l, e, _)| moe.contains(&l) && (e as usize) < self.config.num_experts)
+            .map(|(l, e, n)| ((l, e), n))
+            .collect()
     }
 
-    /// Adds demand counts to the persisted heat histogram (atomic rewrite).
+    /// Adds demand counts to the persisted heat histogram. Written under a name of its own (runs
+    /// on one store may save at once) and renamed over the old file; an error here is for the
+    /// caller to report as a warning, never to fail a run with.
     pub fn record_heat(&self, counts: &HashMap<(usize, u32), u64>) -> Result<()> {
         let mut all = self.heat();
         for (k, n) in counts {
@@ -110,7 +156,16 @@ impl Store {
         }
         let mut v: Vec<(usize, u32, u64)> = all.into_iter().map(|((l, e), n)| (l, e, n)).collect();
         v.sort_unstable();
-        crate::manifest::write_atomic(&self.dir.join("heat.json"), &serde_json::to_vec(&v).expect("serializable"))
+        static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = self.dir.join(format!(".heat.json.{}.{n}.partial", std::process::id()));
+        let dst = self.dir.join("heat.json");
+        let written = std::fs::write(&tmp, serde_json::to_vec(&v).expect("serializable")).and_then(|_| std::fs::rename(&tmp, &dst));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(Error::Io { path: dst, source: e });
+        }
+        Ok(())
     }
 }
 
@@ -125,10 +180,10 @@ impl TensorSource for Store {
         };
         Ok(TensorBytes {
             name: name.into(),
-            file: self.dir.join(&self.manifest.spine_file).display().to_string(),
+            file: self.manifest.spine_path(&self.dir, t.file).display().to_string(),
             dtype,
             shape: t.shape.clone(),
-            bytes: spine.slice(t.offset as usize, t.len as usize),
+            bytes: spine.slice(self.placement[name] as usize, t.len as usize),
         })
     }
 }

@@ -122,7 +122,7 @@ fn minor(dev: &str) -> Result<String> {
 /// A store variant that only knows the first `n` homes.
 fn variant(store: &Path, n: usize, out: &Path) -> Result<()> {
     std::fs::create_dir_all(out)?;
-    for f in ["config.json", "tiktoken.model", "tokenizer_config.json", "spine.bin", "deltafin-store"] {
+    for f in ["config.json", "tiktoken.model", "tokenizer_config.json", "spine.bin", "deltafin-store", "setup.json"] {
         let dst = out.join(f);
         let _ = std::fs::remove_file(&dst);
         std::fs::hard_link(store.join(f), &dst).or_else(|_| std::fs::copy(store.join(f), &dst).map(|_| ()))?;
@@ -132,7 +132,7 @@ fn variant(store: &Path, n: usize, out: &Path) -> Result<()> {
     for e in &mut m.experts {
         e.copies.retain(|c| c.home < n);
     }
-    std::fs::write(out.join("manifest.json"), serde_json::to_vec_pretty(&m)?)?;
+    m.write(out)?;
     Ok(())
 }
 

@@ -48,6 +48,7 @@ fn ensure_model(preset: &str) -> Result<(PathBuf, PathBuf)> {
                 homes: vec![],
                 layout: deltafin_store::ExpertLayoutKind::Packs,
                 copies: 1,
+                reinstall: false,
             },
             &deltafin_store::NoProgress,
         )?;

@@ -135,6 +135,8 @@ struct State {
 
 struct Inner {
     manifest: Manifest,
+    /// What a corrupt expert's error tells the user to do (depends on the store's layout).
+    advice: String,
     index: HashMap<Key, usize>,
     layouts: HashMap<usize, ExpertLayout>,
     shape: ExpertShape,
@@ -170,8 +172,9 @@ impl Drop for ReadSlot<'_> {
 const DEFAULT_RATE: f64 = 1e9;
 
 impl StreamingExperts {
-    /// Starts reader threads over `manifest` (of the store at `store`), for experts of `shape`.
-    pub fn start(manifest: Manifest, shape: ExpertShape, opts: ReaderOptions) -> crate::Result<StreamingExperts> {
+    /// Starts reader threads over `manifest`, for experts of `shape`; `advice` ends the error of a
+    /// corrupt expert (what to do about it).
+    pub fn start(manifest: Manifest, shape: ExpertShape, opts: ReaderOptions, advice: String) -> crate::Result<StreamingExperts> {
         let min = Self::min_budget(shape);
         if opts.expert_budget < min {
             return Err(Error::BudgetTooSmall {
@@ -204,6 +207,7 @@ impl StreamingExperts {
             layer_count,
             budget: Budget::new(opts.expert_budget),
             manifest,
+            advice,
             index,
             layouts,
             shape,
@@ -621,6 +625,7 @@ impl Inner {
                                 expert: key.1 as usize,
                                 path: p.clone(),
                                 offset: self.entry(key).copies[copy].offset,
+                                advice: self.advice.clone(),
                             },
                             None => Error::Unavailable { layer: key.0, expert: key.1 as usize, last: msg.clone() },
                         };

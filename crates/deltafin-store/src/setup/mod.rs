@@ -1,0 +1,412 @@
+//! `deltafin setup`: install a checkpoint into a store, resume one, or repair one.
+//!
+//! The spine goes into one aligned `spine.bin` (fast to load in one read), or stays in the
+//! checkpoint's shards (`--in-place`). Experts are either used in place (each is one contiguous
+//! span of a shard) or copied into aligned pack files, one per MoE layer per home, spread over the
+//! homes (one home per drive) with `copies` replicas.
+//!
+//! **Same checkpoint, same arguments.** Setup first checks the checkpoint the way `run` would
+//! ([`Checkpoint::validate`]) and fingerprints it (`identity.rs`). It records what it is doing in a
+//! sealed `setup.json` before it writes anything else; a later setup into the same store with
+//! another checkpoint or other arguments is refused (or, with `reinstall`, replaces the old store).
+//! Pack folders are named after the checkpoint and the plan, so two checkpoints never share a
+//! pack, even in one home.
+//!
+//! **Crash safety.** Setup holds a lock on the store and on each pack folder. Every file is
+//! written under a `.partial` name, synced, renamed, and its directory synced; each finished pack
+//! and the spine get a sealed sidecar listing offsets and checksums. The manifest is removed when
+//! setup starts and written last.
+//!
+//! **Repair.** A re-run skips nothing blindly: every finished file is read back and checked
+//! against its sidecar, and what is wrong is rewritten from the checkpoint. Bytes read from the
+//! checkpoint are compared with the checksums an earlier run recorded for them, so a checkpoint
+//! that changed in the meantime is an error, never a silent mix.
+//!
+//! **Sources.** Bytes come through [`SpanSource`]; a local checkpoint folder is one, and the hub
+//! (stream mode) is meant to be another, fetching spans by HTTP range.
+
+mod experts;
+mod space;
+mod spine;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{Error, Result};
+use crate::lock::DirLock;
+use crate::manifest::{
+    checksum, read_sealed, sync_dir, write_atomic, write_sealed, FileSum, Manifest, SealError, SetupRecord, FORMAT, LAYOUT_IN_PLACE,
+    LAYOUT_PACKS, STORE_FILES,
+};
+
+/// Reports progress of long work (the CLI draws bars from it).
+pub trait Progress: Send + Sync {
+    /// A new phase of `total` bytes begins.
+    fn begin(&self, phase: &str, total: u64);
+    /// `bytes` more are done.
+    fn advance(&self, bytes: u64);
+    /// The phase is over.
+    fn end(&self) {}
+}
+
+/// Progress that goes nowhere.
+pub struct NoProgress;
+impl Progress for NoProgress {
+    fn begin(&self, _: &str, _: u64) {}
+    fn advance(&self, _: u64) {}
+}
+
+/// Where expert bytes come from during setup.
+pub trait SpanSource {
+    /// Reads `buf.len()` bytes of `file` (relative to the source) at `offset`.
+    fn read_span(&self, file: &Path, offset: u64, buf: &mut [u8]) -> Result<()>;
+}
+
+/// A local checkpoint folder as a span source.
+pub struct LocalFiles {
+    open: std::sync::Mutex<HashMap<PathBuf, std::sync::Arc<File>>>,
+}
+
+impl LocalFiles {
+    pub fn new() -> LocalFiles {
+        LocalFiles { open: Default::default() }
+    }
+}
+
+impl Default for LocalFiles {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SpanSource for LocalFiles {
+    fn read_span(&self, file: &Path, offset: u64, buf: &mut [u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let f = {
+            let mut open = self.open.lock().expect("poisoned");
+            match open.get(file) {
+                Some(f) => f.clone(),
+                None => {
+                    let f = std::sync::Arc::new(File::open(file).map_err(Error::io(file))?);
+                    open.insert(file.to_path_buf(), f.clone());
+                    f
+                }
+            }
+        };
+        f.read_exact_at(buf, offset).map_err(Error::io(file))
+    }
+}
+
+/// How experts are laid out in the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertLayoutKind {
+    /// Read experts (and the spine) from the checkpoint's shards where they are.
+    InPlace,
+    /// Copy experts into aligned pack files spread over the homes, the spine into `spine.bin`.
+    Packs,
+}
+
+/// What to install and where.
+#[derive(Clone, Debug)]
+pub struct SetupOptions {
+    pub source: PathBuf,
+    pub out: PathBuf,
+    /// One folder per drive; empty = the store folder itself.
+    pub homes: Vec<PathBuf>,
+    pub layout: ExpertLayoutKind,
+    /// How many homes hold each expert (packs only), at most the number of homes.
+    pub copies: usize,
+    /// Replace whatever the store (or a half-finished setup there) holds, even another
+    /// checkpoint or other arguments.
+    pub reinstall: bool,
+}
+
+impl SetupOptions {
+    /// Packs in the store folder itself, one copy.
+    pub fn new(source: impl Into<PathBuf>, out: impl Into<PathBuf>) -> SetupOptions {
+        SetupOptions { source: source.into(), out: out.into(), homes: Vec::new(), layout: ExpertLayoutKind::Packs, copies: 1, reinstall: false }
+    }
+}
+
+/// Which homes hold expert `e` of layer `l`: `copies` consecutive homes from a rotating start,
+/// so every drive gets an equal share of every layer.
+pub fn assign_homes(l: usize, e: usize, homes: usize, copies: usize) -> Vec<usize> {
+    (0..copies.min(homes)).map(|j| (e + l + j) % homes).collect()
+}
+
+fn crash_point(layers_done: usize) {
+    // Fault injection for the resume test: simulate a crash after N finished layers.
+    if let Ok(n) = std::env::var("DELTAFIN_SETUP_CRASH_AFTER_LAYERS") {
+        if n.parse::<usize>().ok() == Some(layers_done) {
+            eprintln!("DELTAFIN_SETUP_CRASH_AFTER_LAYERS={n}: aborting to simulate a crash");
+            std::process::abort();
+        }
+    }
+}
+
+/// The plan record of a store in progress or finished.
+const SETUP_RECORD: &str = "setup.json";
+
+/// Everything a run of setup works from: the plan and what earlier runs recorded.
+pub(crate) struct Plan<'a> {
+    pub ckpt: &'a Checkpoint,
+    pub out: &'a Path,
+    pub record: SetupRecord,
+    /// Absolute home folders (the store folder when none was given).
+    pub homes: Vec<PathBuf>,
+    /// Pack folder name inside `HOME/deltafin-experts/`.
+    pub pack_dir: String,
+    /// Checksums an earlier run of this plan recorded in its manifest (spine tensors by name,
+    /// experts by layer and id), to catch a checkpoint that changed between runs.
+    pub earlier_spine: HashMap<String, String>,
+    pub earlier_experts: HashMap<(usize, usize), String>,
+    pub src: LocalFiles,
+}
+
+impl Plan<'_> {
+    /// A checksum recorded earlier for spine tensor `name`.
+    pub fn earlier_spine(&self, name: &str) -> Option<&str> {
+        self.earlier_spine.get(name).map(String::as_str)
+    }
+    /// A checksum recorded earlier for expert `l`/`e`.
+    pub fn earlier_expert(&self, l: usize, e: usize) -> Option<&str> {
+        self.earlier_experts.get(&(l, e)).map(String::as_str)
+    }
+    /// Checks bytes just read from the checkpoint against what was recorded for them.
+    pub fn check_source(&self, what: &str, file: &Path, sum: &str, recorded: Option<&str>) -> Result<()> {
+        match recorded {
+            Some(r) if r != sum => Err(Error::SourceChanged {
+                path: file.to_path_buf(),
+                why: format!("{what} reads differently from when setup began this store (checksum {sum}, recorded {r})"),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Installs `opts.source` into `opts.out`. Returns the manifest. Safe to re-run after a crash;
+/// a re-run also repairs (re-verifies every finished file and rewrites what is wrong).
+pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
+    let ckpt = Checkpoint::open(&opts.source)?;
+    ckpt.validate()?;
+    let out = &opts.out;
+    let layout = match opts.layout {
+        ExpertLayoutKind::InPlace => LAYOUT_IN_PLACE,
+        ExpertLayoutKind::Packs => LAYOUT_PACKS,
+    };
+    if opts.layout == ExpertLayoutKind::InPlace && !opts.homes.is_empty() {
+        return Err(Error::format(out, "--in-place reads experts from the checkpoint folder; --home only applies to copied packs"));
+    }
+    let home_count = opts.homes.len().max(1);
+    if opts.copies == 0 || opts.copies > home_count {
+        return Err(Error::format(out, format!("{} copies asked but {home_count} home(s) given: copies must be 1..={home_count}", opts.copies)));
+    }
+    std::fs::create_dir_all(out).map_err(Error::io(out))?;
+    let _store_lock = DirLock::acquire(out)?;
+    let source_id = crate::identity::source_id(&ckpt, progress)?;
+    let mut homes_given = Vec::new();
+    for h in &opts.homes {
+        std::fs::create_dir_all(h).map_err(Error::io(h))?;
+        homes_given.push(std::fs::canonicalize(h).map_err(Error::io(h))?);
+    }
+    let record = SetupRecord {
+        source: std::fs::canonicalize(&opts.source).map_err(Error::io(&opts.source))?,
+        source_id,
+        layout: layout.into(),
+        homes: homes_given.clone(),
+        copies: if opts.layout == ExpertLayoutKind::InPlace { 1 } else { opts.copies },
+    };
+    let earlier = previous(out, &record, opts.reinstall)?;
+    write_sealed(&out.join(SETUP_RECORD), &record)?;
+    // From here until the manifest is written again the store is unfinished: a reader must never
+    // see an old manifest over files this run is rewriting.
+    remove_if_present(&out.join("manifest.json"))?;
+    sync_dir(out)?;
+    write_atomic(&out.join(crate::store::STORE_MARKER), FORMAT.as_bytes())?;
+
+    let homes: Vec<PathBuf> = match opts.layout {
+        ExpertLayoutKind::InPlace => vec![record.source.clone()],
+        ExpertLayoutKind::Packs if homes_given.is_empty() => vec![std::fs::canonicalize(out).map_err(Error::io(out))?],
+        ExpertLayoutKind::Packs => homes_given,
+    };
+    let pack_dir = pack_dir_name(&record, &homes);
+    let earlier_spine = earlier.iter().flat_map(|m| m.spine.iter().map(|(n, t)| (n.clone(), t.xxh3.clone()))).collect();
+    let earlier_experts = earlier.iter().flat_map(|m| m.experts.iter().map(|e| ((e.layer, e.expert), e.xxh3.clone()))).collect();
+    let plan = Plan { ckpt: &ckpt, out, record, homes, pack_dir, earlier_spine, earlier_experts, src: LocalFiles::new() };
+    let mut home_locks = Vec::new();
+    if opts.layout == ExpertLayoutKind::Packs {
+        for h in &plan.homes {
+            let d = h.join(PACKS_DIR).join(&plan.pack_dir);
+            std::fs::create_dir_all(&d).map_err(Error::io(&d))?;
+            home_locks.push(DirLock::acquire(&d)?);
+        }
+        space::check(&plan)?;
+    }
+
+    let files = copy_small_files(&plan)?;
+    let (spine_files, spine) = match opts.layout {
+        ExpertLayoutKind::Packs => spine::write_spine_file(&plan, progress)?,
+        ExpertLayoutKind::InPlace => spine::in_place_spine(&plan, progress)?,
+    };
+    let (layouts, experts) = experts::install(&plan, opts.layout, progress)?;
+    let mut manifest = Manifest {
+        format: FORMAT.into(),
+        source_id: plan.record.source_id.clone(),
+        content_id: String::new(),
+        layout: layout.into(),
+        setup: plan.record.clone(),
+        homes: plan.homes.clone(),
+        files,
+        spine_files,
+        spine_bytes: 0,
+        spine,
+        layouts,
+        experts,
+    };
+    manifest.spine_bytes = Manifest::spine_placement(&manifest.spine).1;
+    manifest.content_id = manifest.compute_content_id();
+    manifest.validate(ckpt.config(), out)?;
+    manifest.write(out)?;
+    Ok(manifest)
+}
+
+/// Folder under each home that holds pack folders.
+pub const PACKS_DIR: &str = "deltafin-experts";
+
+/// The pack folder of a plan: named after the checkpoint and the placement, so packs of another
+/// checkpoint, or of the same one spread another way, never share a file.
+fn pack_dir_name(record: &SetupRecord, homes: &[PathBuf]) -> String {
+    let placement = checksum(format!("copies {} homes {homes:?}", record.copies).as_bytes());
+    format!("{}-{}", &record.source_id[..16], &placement[..8])
+}
+
+/// Checks what the store holds (a finished manifest, or the record of a setup in progress)
+/// against this run. Returns the earlier manifest of the same plan (its checksums are the
+/// reference for bytes re-read from the checkpoint).
+fn previous(out: &Path, record: &SetupRecord, reinstall: bool) -> Result<Option<Manifest>> {
+    let manifest = Manifest::read(out).ok();
+    let in_progress = match read_sealed::<SetupRecord>(&out.join(SETUP_RECORD)) {
+        Ok(r) => Some(r),
+        Err(SealError::Missing) => None,
+        // A damaged record says nothing; the sidecars of each file still name their checkpoint.
+        Err(SealError::Bad(_)) => None,
+    };
+    let Some(prev) = manifest.as_ref().map(|m| m.setup.clone()).or(in_progress) else {
+        return Ok(None);
+    };
+    // The same checkpoint moved to another folder is still the same checkpoint.
+    let same = prev.source_id == record.source_id && prev.layout == record.layout && prev.homes == record.homes && prev.copies == record.copies;
+    if same {
+        return Ok(manifest.filter(|m| m.source_id == record.source_id));
+    }
+    let what = if manifest.is_some() { "holds" } else { "is being set up with" };
+    if !reinstall {
+        let mut diffs = Vec::new();
+        if prev.source_id != record.source_id {
+            diffs.push(format!("checkpoint {} (fingerprint {}), not this one ({})", prev.source.display(), &prev.source_id[..16], &record.source_id[..16]));
+        }
+        if prev.layout != record.layout {
+            diffs.push(format!("layout {}, not {}", prev.layout, record.layout));
+        }
+        if prev.homes != record.homes || prev.copies != record.copies {
+            diffs.push(format!("homes {:?} with {} copies, not {:?} with {}", prev.homes, prev.copies, record.homes, record.copies));
+        }
+        return Err(Error::OtherCheckpoint {
+            path: out.to_path_buf(),
+            why: format!(
+                "this store {what} {}; to keep it, run `{}`; to replace it with this checkpoint and these arguments, add --reinstall",
+                diffs.join("; "),
+                prev.command(out)
+            ),
+        });
+    }
+    remove_previous(out, &prev)?;
+    Ok(None)
+}
+
+/// Removes what an earlier setup of another plan wrote (`--reinstall`).
+fn remove_previous(out: &Path, prev: &SetupRecord) -> Result<()> {
+    for f in ["manifest.json", SETUP_RECORD, "spine.bin", "spine.bin.partial", "spine.bin.json"] {
+        remove_if_present(&out.join(f))?;
+    }
+    for e in std::fs::read_dir(out).map_err(Error::io(out))?.flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if n.starts_with("inplace-") && n.ends_with(".json") {
+            remove_if_present(&e.path())?;
+        }
+    }
+    if prev.layout == LAYOUT_PACKS {
+        let homes = if prev.homes.is_empty() { vec![out.to_path_buf()] } else { prev.homes.clone() };
+        let homes_abs: Vec<PathBuf> = homes.iter().map(|h| std::fs::canonicalize(h).unwrap_or_else(|_| h.clone())).collect();
+        let dir = pack_dir_name(prev, &homes_abs);
+        for h in &homes_abs {
+            let d = h.join(PACKS_DIR).join(&dir);
+            if d.exists() {
+                let _lock = DirLock::acquire(&d)?;
+                std::fs::remove_dir_all(&d).map_err(Error::io(&d))?;
+            }
+        }
+    }
+    sync_dir(out)
+}
+
+pub(crate) fn remove_if_present(p: &Path) -> Result<()> {
+    match std::fs::remove_file(p) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io { path: p.to_path_buf(), source: e }),
+        _ => Ok(()),
+    }
+}
+
+/// Copies config and tokenizer files into the store, returning their checksums.
+fn copy_small_files(plan: &Plan) -> Result<BTreeMap<String, FileSum>> {
+    let mut files = BTreeMap::new();
+    for f in STORE_FILES {
+        let p = plan.ckpt.dir().join(f);
+        let dst = plan.out.join(f);
+        match std::fs::read(&p) {
+            Ok(bytes) => {
+                if std::fs::read(&dst).ok().as_deref() != Some(bytes.as_slice()) {
+                    write_atomic(&dst, &bytes)?;
+                }
+                files.insert(f.to_string(), FileSum { bytes: bytes.len() as u64, xxh3: checksum(&bytes) });
+            }
+            // A file the checkpoint lacks must not linger from an earlier install.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => remove_if_present(&dst)?,
+            Err(e) => return Err(Error::Io { path: p, source: e }),
+        }
+    }
+    Ok(files)
+}
+
+/// Writes a file under its `.partial` name with `write`, syncs it and renames it into place.
+/// On any error the partial file is removed (a full disk gets its space back).
+pub(crate) fn write_file_atomically(path: &Path, len: u64, write: impl FnOnce(&File) -> Result<()>) -> Result<()> {
+    let tmp = crate::manifest::tmp_path(path);
+    let done = (|| {
+        let f = File::create(&tmp).map_err(Error::io(&tmp))?;
+        f.set_len(len).map_err(Error::io(&tmp))?;
+        write(&f)?;
+        f.sync_all().map_err(Error::io(&tmp))?;
+        drop_cache(&f);
+        Ok(())
+    })();
+    if let Err(e) = done {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    crate::manifest::rename_synced(&tmp, path)
+}
+
+/// Evicts a file from the page cache so later reads (and benchmarks) hit the drive.
+pub fn drop_cache(f: &File) {
+    use std::os::fd::AsRawFd;
+    #[cfg(target_os = "linux")]
+    // SAFETY: advisory call on a valid descriptor.
+    unsafe {
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = f.as_raw_fd();
+}
