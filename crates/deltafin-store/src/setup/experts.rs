@@ -96,8 +96,8 @@ fn pack_is_intact(path: &Path, table: &Table) -> bool {
 fn pack_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progress) -> Result<Vec<ExpertEntry>> {
     let n = plan.homes.len();
     let copies = plan.record.copies;
-    let rel = format!("{PACKS_DIR}/{}/L{l:03}.pack", plan.pack_dir);
-    let paths: Vec<PathBuf> = plan.homes.iter().map(|h| h.join(&rel)).collect();
+    let rels: Vec<String> = plan.pack_dirs.iter().map(|d| format!("{PACKS_DIR}/{d}/L{l:03}.pack")).collect();
+    let paths: Vec<PathBuf> = plan.homes.iter().zip(&rels).map(|(h, r)| h.join(r)).collect();
     let sides: Vec<PathBuf> = paths.iter().map(|p| PathBuf::from(format!("{}.json", p.display()))).collect();
     let assigned: Vec<Vec<usize>> =
         (0..n).map(|h| (0..spans.len()).filter(|&e| assign_homes(l, e, n, copies).contains(&h)).collect()).collect();
@@ -105,7 +105,7 @@ fn pack_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progre
         .map(|h| {
             read_sealed::<LayerSidecar>(&sides[h]).ok().filter(|s| {
                 s.source_id == plan.record.source_id
-                    && s.pack_dir == plan.pack_dir
+                    && s.pack_dir == plan.pack_dirs[h]
                     && s.home == h
                     && s.experts.keys().copied().eq(assigned[h].iter().copied())
             })
@@ -123,7 +123,7 @@ fn pack_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progre
     if sizes_match && agree && (0..n).all(|h| pack_is_intact(&paths[h], &existing[h].as_ref().expect("complete").experts)) {
         progress.advance(layer_bytes);
         let tables: Vec<&Table> = existing.iter().map(|s| &s.as_ref().expect("complete").experts).collect();
-        return Ok(entries(l, spans.len(), n, copies, &rel, |h| tables[h]));
+        return Ok(entries(l, spans.len(), n, copies, &rels, |h| tables[h]));
     }
     if existing.iter().any(Option::is_some) {
         eprintln!("deltafin setup: the packs of layer {l} are incomplete or damaged; rewriting them");
@@ -168,18 +168,18 @@ fn pack_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progre
     for h in 0..n {
         rename_synced(&tmps[h], &paths[h])?;
         let bytes = tables[h].values().map(|(o, len, _)| align_up(o + len)).max().unwrap_or(0);
-        let side = LayerSidecar { source_id: plan.record.source_id.clone(), pack_dir: plan.pack_dir.clone(), home: h, bytes, experts: tables[h].clone() };
+        let side = LayerSidecar { source_id: plan.record.source_id.clone(), pack_dir: plan.pack_dirs[h].clone(), home: h, bytes, experts: tables[h].clone() };
         write_sealed(&sides[h], &side)?;
     }
-    Ok(entries(l, spans.len(), n, copies, &rel, |h| &tables[h]))
+    Ok(entries(l, spans.len(), n, copies, &rels, |h| &tables[h]))
 }
 
-fn entries<'t>(l: usize, count: usize, n: usize, copies: usize, rel: &str, table: impl Fn(usize) -> &'t Table) -> Vec<ExpertEntry> {
+fn entries<'t>(l: usize, count: usize, n: usize, copies: usize, rels: &[String], table: impl Fn(usize) -> &'t Table) -> Vec<ExpertEntry> {
     (0..count)
         .map(|e| {
             let hs = assign_homes(l, e, n, copies);
             let (_, len, sum) = table(hs[0])[&e].clone();
-            let copies = hs.iter().map(|&h| Copy { home: h, file: rel.to_string(), offset: table(h)[&e].0 }).collect();
+            let copies = hs.iter().map(|&h| Copy { home: h, file: rels[h].clone(), offset: table(h)[&e].0 }).collect();
             ExpertEntry { layer: l, expert: e, len, xxh3: sum, copies }
         })
         .collect()

@@ -156,8 +156,8 @@ pub(crate) struct Plan<'a> {
     pub record: SetupRecord,
     /// Absolute home folders (the store folder when none was given).
     pub homes: Vec<PathBuf>,
-    /// Pack folder name inside `HOME/deltafin-experts/`.
-    pub pack_dir: String,
+    /// Pack folder name inside `HOME/deltafin-experts/`, per home.
+    pub pack_dirs: Vec<String>,
     /// Checksums an earlier run of this plan recorded in its manifest (spine tensors by name,
     /// experts by layer and id), to catch a checkpoint that changed between runs.
     pub earlier_spine: HashMap<String, String>,
@@ -231,14 +231,14 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
         ExpertLayoutKind::Packs if homes_given.is_empty() => vec![std::fs::canonicalize(out).map_err(Error::io(out))?],
         ExpertLayoutKind::Packs => homes_given,
     };
-    let pack_dir = pack_dir_name(&record, &homes);
+    let pack_dirs = (0..homes.len()).map(|h| pack_dir_name(&record, h, homes.len())).collect();
     let earlier_spine = earlier.iter().flat_map(|m| m.spine.iter().map(|(n, t)| (n.clone(), t.xxh3.clone()))).collect();
     let earlier_experts = earlier.iter().flat_map(|m| m.experts.iter().map(|e| ((e.layer, e.expert), e.xxh3.clone()))).collect();
-    let plan = Plan { ckpt: &ckpt, out, record, homes, pack_dir, earlier_spine, earlier_experts, src: LocalFiles::new() };
+    let plan = Plan { ckpt: &ckpt, out, record, homes, pack_dirs, earlier_spine, earlier_experts, src: LocalFiles::new() };
     let mut home_locks = Vec::new();
     if opts.layout == ExpertLayoutKind::Packs {
-        for h in &plan.homes {
-            let d = h.join(PACKS_DIR).join(&plan.pack_dir);
+        for (h, dir) in plan.homes.iter().zip(&plan.pack_dirs) {
+            let d = h.join(PACKS_DIR).join(dir);
             std::fs::create_dir_all(&d).map_err(Error::io(&d))?;
             home_locks.push(DirLock::acquire(&d)?);
         }
@@ -275,11 +275,11 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
 /// Folder under each home that holds pack folders.
 pub const PACKS_DIR: &str = "deltafin-experts";
 
-/// The pack folder of a plan: named after the checkpoint and the placement, so packs of another
-/// checkpoint, or of the same one spread another way, never share a file.
-fn pack_dir_name(record: &SetupRecord, homes: &[PathBuf]) -> String {
-    let placement = checksum(format!("copies {} homes {homes:?}", record.copies).as_bytes());
-    format!("{}-{}", &record.source_id[..16], &placement[..8])
+/// The pack folder of home `h` of `n`: named after the checkpoint and everything that decides
+/// which experts a home holds ([`assign_homes`]), so packs of another checkpoint, or of the same
+/// one spread another way, never share a file, while two stores of the same plan may.
+fn pack_dir_name(record: &SetupRecord, h: usize, n: usize) -> String {
+    format!("{}-c{}-h{}of{n}", &record.source_id[..16], record.copies, h + 1)
 }
 
 /// Checks what the store holds (a finished manifest, or the record of a setup in progress)
@@ -340,9 +340,8 @@ fn remove_previous(out: &Path, prev: &SetupRecord) -> Result<()> {
     if prev.layout == LAYOUT_PACKS {
         let homes = if prev.homes.is_empty() { vec![out.to_path_buf()] } else { prev.homes.clone() };
         let homes_abs: Vec<PathBuf> = homes.iter().map(|h| std::fs::canonicalize(h).unwrap_or_else(|_| h.clone())).collect();
-        let dir = pack_dir_name(prev, &homes_abs);
-        for h in &homes_abs {
-            let d = h.join(PACKS_DIR).join(&dir);
+        for (i, h) in homes_abs.iter().enumerate() {
+            let d = h.join(PACKS_DIR).join(pack_dir_name(prev, i, homes_abs.len()));
             if d.exists() {
                 let _lock = DirLock::acquire(&d)?;
                 std::fs::remove_dir_all(&d).map_err(Error::io(&d))?;

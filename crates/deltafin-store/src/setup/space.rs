@@ -37,7 +37,7 @@ pub(super) fn check(plan: &Plan) -> Result<()> {
             }
         }
         for (h, c) in counts.into_iter().enumerate() {
-            files.push((plan.homes[h].join(PACKS_DIR).join(&plan.pack_dir).join(format!("L{l:03}.pack")), c * per));
+            files.push((plan.homes[h].join(PACKS_DIR).join(&plan.pack_dirs[h]).join(format!("L{l:03}.pack")), c * per));
         }
     }
     // Needed bytes per filesystem, named by the first folder seen on it.
