@@ -153,8 +153,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     if stats.context_limit_reached {
         eprintln!(
             "note: stopped after {} tokens: the sequence reached its context limit of {} tokens (raise --context for longer output)",
-            stats.generated_tokens,
-            a.model.context
+            stats.generated_tokens, a.model.context
         );
     }
     if let Err(e) = model.save_heat() {

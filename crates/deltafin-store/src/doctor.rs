@@ -128,8 +128,48 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
     progress.end();
     if verify {
         check_records(dir, &m, &mut r);
+        check_padding(dir, &m, &mut r);
     }
     Ok(r)
+}
+
+/// Files the store wrote itself (its spine file, its packs) hold nothing but checksummed bytes
+/// and zero padding up to the next [`crate::ALIGN`]: a changed padding byte or an appended tail
+/// computes nothing wrong, but says the file was touched.
+fn check_padding(dir: &Path, m: &Manifest, r: &mut DoctorReport) {
+    if m.layout != crate::manifest::LAYOUT_PACKS {
+        return;
+    }
+    let mut files: std::collections::BTreeMap<std::path::PathBuf, Vec<(u64, u64)>> = Default::default();
+    for t in m.spine.values() {
+        files.entry(m.spine_path(dir, t.file)).or_default().push((t.offset, t.offset + t.len));
+    }
+    for e in &m.experts {
+        for c in &e.copies {
+            files.entry(m.copy_path(c)).or_default().push((c.offset, c.offset + e.len));
+        }
+    }
+    for (path, mut used) in files {
+        let Ok(f) = std::fs::File::open(&path) else { continue };
+        used.sort_unstable();
+        let len = f.metadata().map(|md| md.len()).unwrap_or(0);
+        let want = crate::manifest::align_up(used.last().map_or(0, |u| u.1));
+        if len != want {
+            r.problems.push(format!("{}: {len} bytes, setup wrote {want}", path.display()));
+            continue;
+        }
+        let mut at = 0u64;
+        let mut gap = Vec::new();
+        for (start, end) in used.into_iter().chain([(want, want)]) {
+            if start > at {
+                gap.resize((start - at) as usize, 0);
+                if f.read_exact_at(&mut gap, at).is_err() || gap.iter().any(|&b| b != 0) {
+                    r.problems.push(format!("{}: padding at {at}..{start} is not zero (the file was changed)", path.display()));
+                }
+            }
+            at = at.max(end);
+        }
+    }
 }
 
 /// The files setup resumes and repairs from: the setup record and every sealed sidecar.
@@ -177,7 +217,10 @@ pub fn repair(dir: &Path, progress: &dyn Progress) -> Result<Manifest> {
     if !rec.source.join("config.json").exists() {
         return Err(Error::format(
             &rec.source,
-            format!("the checkpoint this store was installed from is gone; put it back there, or run `{}` from where it is now", rec.command(dir)),
+            format!(
+                "the checkpoint this store was installed from is gone; put it back there, or run `{}` from where it is now",
+                rec.command(dir)
+            ),
         ));
     }
     let opts = SetupOptions {

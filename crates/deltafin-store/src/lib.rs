@@ -34,8 +34,8 @@ pub use crate::{
     identity::source_id,
     lock::{DirLock, LOCK_FILE},
     manifest::{
-        checksum, read_sealed, repair_advice, write_sealed, Copy, ExpertEntry, FileSum, Manifest, SealError, SetupRecord, SpineTensor, ALIGN,
-        FORMAT, LAYOUT_IN_PLACE, LAYOUT_PACKS,
+        checksum, read_sealed, repair_advice, write_sealed, Copy, ExpertEntry, FileSum, Manifest, SealError, SetupRecord, SpineTensor,
+        ALIGN, FORMAT, LAYOUT_IN_PLACE, LAYOUT_PACKS,
     },
     memory::{AlignedBuf, Budget, BUF_ALIGN},
     reader::{aligned_window, open_for_read, read_aligned, CacheMode},

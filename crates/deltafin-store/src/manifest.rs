@@ -178,25 +178,24 @@ impl Manifest {
     /// [`Manifest::validate`].
     pub fn read(store: &Path) -> Result<Manifest> {
         let p = store.join("manifest.json");
-        let m: Manifest = match read_sealed(&p) {
-            Ok(m) => m,
-            Err(SealError::Missing) => {
-                return Err(Error::format(
+        let m: Manifest =
+            match read_sealed(&p) {
+                Ok(m) => m,
+                Err(SealError::Missing) => return Err(Error::format(
                     &p,
                     "no manifest: not a Deltafin store, or `deltafin setup` did not finish (re-run it with the same arguments to resume)",
-                ))
-            }
-            Err(SealError::Bad(why)) => {
-                let format = std::fs::read_to_string(&p).ok().and_then(|t| {
-                    serde_json::from_str::<serde_json::Value>(&t).ok()?.get("format")?.as_str().map(str::to_string)
-                });
-                let why = match format {
-                    Some(f) => format!("store format {f:?}, this build reads {FORMAT:?} (stores now carry checksums of every byte)"),
-                    None => why,
-                };
-                return Err(Error::BadStore { path: p, why, advice: repair_advice(store) });
-            }
-        };
+                )),
+                Err(SealError::Bad(why)) => {
+                    let format = std::fs::read_to_string(&p)
+                        .ok()
+                        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()?.get("format")?.as_str().map(str::to_string));
+                    let why = match format {
+                        Some(f) => format!("store format {f:?}, this build reads {FORMAT:?} (stores now carry checksums of every byte)"),
+                        None => why,
+                    };
+                    return Err(Error::BadStore { path: p, why, advice: repair_advice(store) });
+                }
+            };
         if m.format != FORMAT {
             return Err(Error::BadStore {
                 path: p,

@@ -120,7 +120,8 @@ impl Store {
     /// checked against their checksums.
     pub fn tokenizer_texts(&self) -> Result<(String, Option<String>)> {
         let text = |name: &str| -> Result<String> {
-            String::from_utf8(Store::small_file(&self.dir, &self.manifest, name)?).map_err(|_| Error::format(self.dir.join(name), "not UTF-8"))
+            String::from_utf8(Store::small_file(&self.dir, &self.manifest, name)?)
+                .map_err(|_| Error::format(self.dir.join(name), "not UTF-8"))
         };
         let config = if self.manifest.files.contains_key("tokenizer_config.json") { Some(text("tokenizer_config.json")?) } else { None };
         Ok((text("tiktoken.model")?, config))
@@ -140,10 +141,7 @@ impl Store {
         };
         let moe = self.config.moe_layers();
         let v: Vec<(usize, u32, u64)> = serde_json::from_slice(&bytes).unwrap_or_default();
-        v.into_iter()
-            .filter(|&(l, e, _)| moe.contains(&l) && (e as usize) < self.config.num_experts)
-            .map(|(l, e, n)| ((l, e), n))
-            .collect()
+        v.into_iter().filter(|&(l, e, _)| moe.contains(&l) && (e as usize) < self.config.num_experts).map(|(l, e, n)| ((l, e), n)).collect()
     }
 
     /// Adds demand counts to the persisted heat histogram. Written under a name of its own (runs

@@ -32,7 +32,11 @@ struct LayerSidecar {
 }
 
 /// Installs every MoE layer's experts; returns the record layouts and the manifest entries.
-pub(super) fn install(plan: &Plan, kind: ExpertLayoutKind, progress: &dyn Progress) -> Result<(Vec<(usize, [usize; 6])>, Vec<ExpertEntry>)> {
+pub(super) fn install(
+    plan: &Plan,
+    kind: ExpertLayoutKind,
+    progress: &dyn Progress,
+) -> Result<(Vec<(usize, [usize; 6])>, Vec<ExpertEntry>)> {
     let cfg = plan.ckpt.config();
     let moe = cfg.moe_layers();
     let copies = match kind {
@@ -69,7 +73,8 @@ fn in_place_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Pr
         buf.resize(s.len as usize, 0);
         plan.src.read_span(&file, s.offset, &mut buf)?;
         let sum = checksum(&buf);
-        let recorded = side.as_ref().and_then(|t| t.experts.get(&e)).map(|x| x.2.clone()).or_else(|| plan.earlier_expert(l, e).map(str::to_string));
+        let recorded =
+            side.as_ref().and_then(|t| t.experts.get(&e)).map(|x| x.2.clone()).or_else(|| plan.earlier_expert(l, e).map(str::to_string));
         plan.check_source(&format!("expert {l}/{e}"), &file, &sum, recorded.as_deref())?;
         progress.advance(s.len);
         table.insert(e, (s.offset, s.len, sum.clone()));
@@ -77,7 +82,10 @@ fn in_place_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Pr
         entries.push(ExpertEntry { layer: l, expert: e, len: s.len, xxh3: sum, copies: vec![copy] });
     }
     let bytes = spans.iter().map(|s| s.len).sum();
-    write_sealed(&side_path, &LayerSidecar { source_id: plan.record.source_id.clone(), pack_dir: String::new(), home: 0, bytes, experts: table })?;
+    write_sealed(
+        &side_path,
+        &LayerSidecar { source_id: plan.record.source_id.clone(), pack_dir: String::new(), home: 0, bytes, experts: table },
+    )?;
     Ok(entries)
 }
 
@@ -112,9 +120,8 @@ fn pack_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progre
         })
         .collect();
     let layer_bytes = spans.iter().map(|s| s.len).sum::<u64>() * copies as u64;
-    let sizes_match = (0..n).all(|h| {
-        existing[h].as_ref().is_some_and(|s| std::fs::metadata(&paths[h]).map(|m| m.len()).ok() == Some(s.bytes))
-    });
+    let sizes_match =
+        (0..n).all(|h| existing[h].as_ref().is_some_and(|s| std::fs::metadata(&paths[h]).map(|m| m.len()).ok() == Some(s.bytes)));
     // Every copy of an expert must carry the same checksum (the same checkpoint bytes).
     let agree = (0..spans.len()).all(|e| {
         let sums: Vec<&String> = existing.iter().flatten().filter_map(|s| s.experts.get(&e)).map(|x| &x.2).collect();
@@ -129,7 +136,12 @@ fn pack_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progre
         eprintln!("deltafin setup: the packs of layer {l} are incomplete or damaged; rewriting them");
     }
     let recorded = |e: usize| -> Option<String> {
-        existing.iter().flatten().find_map(|s| s.experts.get(&e)).map(|x| x.2.clone()).or_else(|| plan.earlier_expert(l, e).map(str::to_string))
+        existing
+            .iter()
+            .flatten()
+            .find_map(|s| s.experts.get(&e))
+            .map(|x| x.2.clone())
+            .or_else(|| plan.earlier_expert(l, e).map(str::to_string))
     };
     let tmps: Vec<PathBuf> = paths.iter().map(|p| tmp_path(p)).collect();
     let written = (|| -> Result<Vec<Table>> {
@@ -168,7 +180,13 @@ fn pack_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progre
     for h in 0..n {
         rename_synced(&tmps[h], &paths[h])?;
         let bytes = tables[h].values().map(|(o, len, _)| align_up(o + len)).max().unwrap_or(0);
-        let side = LayerSidecar { source_id: plan.record.source_id.clone(), pack_dir: plan.pack_dirs[h].clone(), home: h, bytes, experts: tables[h].clone() };
+        let side = LayerSidecar {
+            source_id: plan.record.source_id.clone(),
+            pack_dir: plan.pack_dirs[h].clone(),
+            home: h,
+            bytes,
+            experts: tables[h].clone(),
+        };
         write_sealed(&sides[h], &side)?;
     }
     Ok(entries(l, spans.len(), n, copies, &rels, |h| &tables[h]))

@@ -126,7 +126,14 @@ pub struct SetupOptions {
 impl SetupOptions {
     /// Packs in the store folder itself, one copy.
     pub fn new(source: impl Into<PathBuf>, out: impl Into<PathBuf>) -> SetupOptions {
-        SetupOptions { source: source.into(), out: out.into(), homes: Vec::new(), layout: ExpertLayoutKind::Packs, copies: 1, reinstall: false }
+        SetupOptions {
+            source: source.into(),
+            out: out.into(),
+            homes: Vec::new(),
+            layout: ExpertLayoutKind::Packs,
+            copies: 1,
+            reinstall: false,
+        }
     }
 }
 
@@ -201,7 +208,10 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
     }
     let home_count = opts.homes.len().max(1);
     if opts.copies == 0 || opts.copies > home_count {
-        return Err(Error::format(out, format!("{} copies asked but {home_count} home(s) given: copies must be 1..={home_count}", opts.copies)));
+        return Err(Error::format(
+            out,
+            format!("{} copies asked but {home_count} home(s) given: copies must be 1..={home_count}", opts.copies),
+        ));
     }
     std::fs::create_dir_all(out).map_err(Error::io(out))?;
     let _store_lock = DirLock::acquire(out)?;
@@ -297,15 +307,31 @@ fn previous(out: &Path, record: &SetupRecord, reinstall: bool) -> Result<Option<
         return Ok(None);
     };
     // The same checkpoint moved to another folder is still the same checkpoint.
-    let same = prev.source_id == record.source_id && prev.layout == record.layout && prev.homes == record.homes && prev.copies == record.copies;
+    let same =
+        prev.source_id == record.source_id && prev.layout == record.layout && prev.homes == record.homes && prev.copies == record.copies;
     if same {
         return Ok(manifest.filter(|m| m.source_id == record.source_id));
     }
     let what = if manifest.is_some() { "holds" } else { "is being set up with" };
+    if !reinstall && prev.source == record.source && prev.source_id != record.source_id {
+        return Err(Error::SourceChanged {
+            path: record.source.clone(),
+            why: format!(
+                "its files differ from when this store was set up (fingerprint {}, now {})",
+                &prev.source_id[..16],
+                &record.source_id[..16]
+            ),
+        });
+    }
     if !reinstall {
         let mut diffs = Vec::new();
         if prev.source_id != record.source_id {
-            diffs.push(format!("checkpoint {} (fingerprint {}), not this one ({})", prev.source.display(), &prev.source_id[..16], &record.source_id[..16]));
+            diffs.push(format!(
+                "checkpoint {} (fingerprint {}), not this one ({})",
+                prev.source.display(),
+                &prev.source_id[..16],
+                &record.source_id[..16]
+            ));
         }
         if prev.layout != record.layout {
             diffs.push(format!("layout {}, not {}", prev.layout, record.layout));

@@ -14,6 +14,10 @@ use crate::manifest::align_up;
 /// Bytes free to an unprivileged writer on the filesystem holding `dir`.
 pub fn free_bytes(dir: &Path) -> Result<u64> {
     use std::os::unix::ffi::OsStrExt;
+    // Fault injection for the full-disk test (a real full filesystem needs a mount).
+    if let Some(n) = std::env::var("DELTAFIN_SETUP_FREE_BYTES").ok().and_then(|v| v.parse().ok()) {
+        return Ok(n);
+    }
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|_| Error::format(dir, "path contains a NUL byte"))?;
     // SAFETY: statvfs writes into the struct we pass; the path is NUL-terminated.
     let mut s: libc::statvfs = unsafe { std::mem::zeroed() };

@@ -70,7 +70,10 @@ pub(super) fn write_spine_file(plan: &Plan, progress: &dyn Progress) -> Result<(
     let mut off = 0u64;
     for n in spine_names(ckpt) {
         let t = &ckpt.tensors()[&n];
-        planned.insert(n, SpineTensor { dtype: format!("{:?}", t.dtype), shape: t.shape.clone(), file: 0, offset: off, len: t.len, xxh3: String::new() });
+        planned.insert(
+            n,
+            SpineTensor { dtype: format!("{:?}", t.dtype), shape: t.shape.clone(), file: 0, offset: off, len: t.len, xxh3: String::new() },
+        );
         off = align_up(off + t.len);
     }
     let total = off;
@@ -130,7 +133,8 @@ pub(super) fn in_place_spine(plan: &Plan, progress: &dyn Progress) -> Result<(Ve
         buf.resize(e.len as usize, 0);
         plan.src.read_span(&files[e.shard], e.offset, &mut buf)?;
         let sum = checksum(&buf);
-        let recorded = side.as_ref().and_then(|s| s.tensors.get(&n)).map(|t| t.xxh3.clone()).or_else(|| plan.earlier_spine(&n).map(str::to_string));
+        let recorded =
+            side.as_ref().and_then(|s| s.tensors.get(&n)).map(|t| t.xxh3.clone()).or_else(|| plan.earlier_spine(&n).map(str::to_string));
         plan.check_source(&format!("spine tensor `{n}`"), &files[e.shard], &sum, recorded.as_deref())?;
         progress.advance(e.len);
         tensors.insert(
