@@ -3,5 +3,6 @@
 
 pub mod bench;
 pub mod demo;
+pub mod fuzz_store;
 pub mod gen_k3;
 pub mod oracle;

@@ -53,6 +53,18 @@ enum Cmd {
     /// Run the kernel and fixture tests for aarch64 under qemu (NEON), needs Debian's
     /// qemu-user, gcc-aarch64-linux-gnu and `rustup target add aarch64-unknown-linux-gnu`.
     TestAarch64,
+    /// Plant random faults in a store (flipped bytes, changed digits, files of another
+    /// checkpoint) and check each run gives the reference ids or a clear error, and doctor
+    /// reports each; fails on any silent wrong output or panic.
+    FuzzStore {
+        #[arg(long, default_value_t = 500)]
+        cases: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Also write the summary (markdown) here.
+        #[arg(long)]
+        report: Option<PathBuf>,
+    },
     /// Make mlx-lm reference logits for random tiny configs (needs mlx[cpu] + mlx-lm).
     Oracle {
         #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5,6")]
@@ -81,5 +93,6 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Oracle { seeds, tokens } => xtask::oracle::run(&seeds, tokens),
+        Cmd::FuzzStore { cases, seed, report } => xtask::fuzz_store::run_fuzz(cases, seed, report.as_deref(), None),
     }
 }

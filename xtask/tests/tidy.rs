@@ -74,6 +74,18 @@ fn crate_boundaries_hold() {
             }
         }
     }
+    // deltafin-store: no half-written file under a final name, no rename without a directory
+    // sync: files are created under temporary names and renamed only by `rename_synced`.
+    for (p, text) in non_test_sources("deltafin-store") {
+        for (i, l) in text.lines().enumerate() {
+            if (l.contains("File::create(") || l.contains("std::fs::write(")) && !l.contains("tmp") {
+                bad.push(format!("{}:{}: deltafin-store writes a file that is not a temporary (write_atomic)", p.display(), i + 1));
+            }
+            if l.contains("std::fs::rename(") && !p.ends_with("manifest.rs") {
+                bad.push(format!("{}:{}: rename through manifest::rename_synced (it syncs the directory)", p.display(), i + 1));
+            }
+        }
+    }
     // Only the server knows HTTP.
     for krate in ["deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-cli"] {
         let manifest = std::fs::read_to_string(root().join(format!("crates/{krate}/Cargo.toml"))).unwrap();

@@ -144,7 +144,7 @@ impl EngineBuilder {
         }
         if self.ram_budget.is_some() {
             return Err(crate::Error::Invalid(format!(
-                "--ram-budget needs a store: {} is a checkpoint folder; install it first with `deltafin setup --from {} --out STORE`",
+                "--ram-budget needs a store: {} is a checkpoint folder; install it first with `deltafin setup --full --from {} --out STORE`",
                 self.path.display(),
                 self.path.display()
             )));

@@ -31,9 +31,27 @@ impl DoctorReport {
     }
 }
 
-/// The arguments the store at `dir` was set up with: from `setup.json`, else its manifest.
+/// The arguments the store at `dir` was set up with, from `setup.json` and the manifest. In every
+/// state setup leaves a store in, the two agree or one is absent; when they disagree (one was
+/// damaged or replaced), the one naming the checkpoint the spine's sidecar names wins, and if
+/// neither does, there is no telling which is right.
 pub fn setup_record(dir: &Path) -> Option<SetupRecord> {
-    read_sealed::<SetupRecord>(&dir.join("setup.json")).ok().or_else(|| Manifest::read(dir).ok().map(|m| m.setup))
+    let record = read_sealed::<SetupRecord>(&dir.join("setup.json")).ok();
+    let manifest = Manifest::read(dir).ok().map(|m| m.setup);
+    match (record, manifest) {
+        (Some(r), Some(m)) if r != m => {
+            let spine = ["spine.bin.json", "inplace-spine.json"]
+                .iter()
+                .find_map(|f| read_sealed::<serde_json::Value>(&dir.join(f)).ok())
+                .and_then(|v| v.get("source_id").and_then(|s| s.as_str()).map(str::to_string));
+            match spine {
+                Some(id) if r.source_id == id && m.source_id != id => Some(r),
+                Some(id) if m.source_id == id => Some(m),
+                _ => None,
+            }
+        }
+        (r, m) => r.or(m),
+    }
 }
 
 /// Checks the store at `dir`; `verify` also reads every byte and compares checksums.
@@ -208,7 +226,7 @@ pub fn repair(dir: &Path, progress: &dyn Progress) -> Result<Manifest> {
         Error::format(
             dir,
             format!(
-                "no record of how this store was made (setup.json and manifest.json are both missing or damaged): \
+                "no record of how this store was made (setup.json and manifest.json are missing, damaged, or disagree): \
                  run `deltafin setup --full --from CHECKPOINT --out {}` with its original --home/--copies/--in-place arguments",
                 dir.display()
             ),

@@ -142,11 +142,15 @@ struct Sealed<'a> {
     body: &'a serde_json::value::RawValue,
 }
 
+/// The exact text of a sealed file with this body.
+fn sealed_text(body: &str) -> String {
+    format!("{{\"xxh3\": \"{}\",\n\"body\": {body}}}\n", checksum(body.as_bytes()))
+}
+
 /// Writes `value` sealed to `path` (atomically, directory synced).
 pub fn write_sealed<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     let body = serde_json::to_string_pretty(value).expect("serializable");
-    let text = format!("{{\"xxh3\": \"{}\",\n\"body\": {body}}}\n", checksum(body.as_bytes()));
-    write_atomic(path, text.as_bytes())
+    write_atomic(path, sealed_text(&body).as_bytes())
 }
 
 /// What went wrong reading a sealed file.
@@ -166,7 +170,9 @@ pub fn read_sealed<T: for<'de> Deserialize<'de>>(path: &Path) -> std::result::Re
         Err(e) => return Err(SealError::Bad(e.to_string())),
     };
     let sealed: Sealed = serde_json::from_slice(&text).map_err(|e| SealError::Bad(format!("not a sealed deltafin file: {e}")))?;
-    if checksum(sealed.body.get().as_bytes()) != sealed.xxh3 {
+    // Byte for byte: even a change outside the body (whitespace around it) means the file was
+    // touched, and doctor must be able to say so.
+    if checksum(sealed.body.get().as_bytes()) != sealed.xxh3 || sealed_text(sealed.body.get()).as_bytes() != text.as_slice() {
         return Err(SealError::Bad("its checksum does not match its contents (the file was changed or damaged)".into()));
     }
     serde_json::from_str(sealed.body.get()).map_err(|e| SealError::Bad(format!("unexpected contents: {e}")))

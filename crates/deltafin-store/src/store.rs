@@ -158,12 +158,13 @@ impl Store {
         let n = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tmp = self.dir.join(format!(".heat.json.{}.{n}.partial", std::process::id()));
         let dst = self.dir.join("heat.json");
-        let written = std::fs::write(&tmp, serde_json::to_vec(&v).expect("serializable")).and_then(|_| std::fs::rename(&tmp, &dst));
-        if let Err(e) = written {
+        if let Err(e) = std::fs::write(&tmp, serde_json::to_vec(&v).expect("serializable")) {
             let _ = std::fs::remove_file(&tmp);
-            return Err(Error::Io { path: dst, source: e });
+            return Err(Error::Io { path: tmp, source: e });
         }
-        Ok(())
+        crate::manifest::rename_synced(&tmp, &dst).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
     }
 }
 

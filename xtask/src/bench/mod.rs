@@ -29,7 +29,8 @@ pub enum Which {
     All,
 }
 
-fn root() -> PathBuf {
+/// The workspace root.
+pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
@@ -56,7 +57,8 @@ fn ensure_model(preset: &str) -> Result<(PathBuf, PathBuf)> {
     Ok((ckpt, store))
 }
 
-fn build_cli() -> Result<PathBuf> {
+/// Builds the `deltafin` binary (release) and returns its path.
+pub fn build_cli() -> Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let st = std::process::Command::new(cargo).current_dir(root()).args(["build", "--release", "-q", "-p", "deltafin-cli"]).status()?;
     anyhow::ensure!(st.success(), "building deltafin failed");

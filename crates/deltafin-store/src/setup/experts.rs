@@ -17,6 +17,9 @@ use crate::checkpoint::ExpertSpan;
 use crate::error::{Error, Result};
 use crate::manifest::{align_up, checksum, read_sealed, rename_synced, tmp_path, write_sealed, Copy, ExpertEntry};
 
+/// A layer's record offsets within an expert span.
+type RecordLayout = (usize, [usize; 6]);
+
 /// expert -> (offset, len, xxh3)
 type Table = BTreeMap<usize, (u64, u64, String)>;
 
@@ -32,11 +35,7 @@ struct LayerSidecar {
 }
 
 /// Installs every MoE layer's experts; returns the record layouts and the manifest entries.
-pub(super) fn install(
-    plan: &Plan,
-    kind: ExpertLayoutKind,
-    progress: &dyn Progress,
-) -> Result<(Vec<(usize, [usize; 6])>, Vec<ExpertEntry>)> {
+pub(super) fn install(plan: &Plan, kind: ExpertLayoutKind, progress: &dyn Progress) -> Result<(Vec<RecordLayout>, Vec<ExpertEntry>)> {
     let cfg = plan.ckpt.config();
     let moe = cfg.moe_layers();
     let copies = match kind {
@@ -89,16 +88,10 @@ fn in_place_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Pr
     Ok(entries)
 }
 
-/// Whether every expert in `table` reads back from `path` with its checksum.
+/// Whether `path` is exactly the pack `table` describes.
 fn pack_is_intact(path: &Path, table: &Table) -> bool {
-    let Ok(f) = File::open(path) else { return false };
-    let mut buf = Vec::new();
-    let good = table.values().all(|(off, len, sum)| {
-        buf.resize(*len as usize, 0);
-        f.read_exact_at(&mut buf, *off).is_ok() && checksum(&buf) == *sum
-    });
-    super::drop_cache(&f);
-    good
+    let ranges: Vec<(u64, u64, &str)> = table.values().map(|(o, l, s)| (*o, *l, s.as_str())).collect();
+    super::readback::is_exact(path, &ranges, &super::NoProgress)
 }
 
 fn pack_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progress) -> Result<Vec<ExpertEntry>> {

@@ -26,6 +26,7 @@
 //! (stream mode) is meant to be another, fetching spans by HTTP range.
 
 mod experts;
+mod readback;
 mod space;
 mod spine;
 
@@ -303,15 +304,20 @@ fn previous(out: &Path, record: &SetupRecord, reinstall: bool) -> Result<Option<
         // A damaged record says nothing; the sidecars of each file still name their checkpoint.
         Err(SealError::Bad(_)) => None,
     };
-    let Some(prev) = manifest.as_ref().map(|m| m.setup.clone()).or(in_progress) else {
+    // A finished store's record and manifest agree; when they do not (one was damaged or put
+    // there by hand), either one naming this plan is enough to continue it.
+    let same_plan = |p: &SetupRecord| {
+        // The same checkpoint moved to another folder is still the same checkpoint.
+        p.source_id == record.source_id && p.layout == record.layout && p.homes == record.homes && p.copies == record.copies
+    };
+    let candidates: Vec<SetupRecord> = in_progress.into_iter().chain(manifest.as_ref().map(|m| m.setup.clone())).collect();
+    if candidates.iter().any(same_plan) {
+        return Ok(manifest.filter(|m| same_plan(&m.setup)));
+    }
+    // The record is written first and the manifest last: the record is the latest intent.
+    let Some(prev) = candidates.into_iter().next() else {
         return Ok(None);
     };
-    // The same checkpoint moved to another folder is still the same checkpoint.
-    let same =
-        prev.source_id == record.source_id && prev.layout == record.layout && prev.homes == record.homes && prev.copies == record.copies;
-    if same {
-        return Ok(manifest.filter(|m| m.source_id == record.source_id));
-    }
     let what = if manifest.is_some() { "holds" } else { "is being set up with" };
     if !reinstall && prev.source == record.source && prev.source_id != record.source_id {
         return Err(Error::SourceChanged {

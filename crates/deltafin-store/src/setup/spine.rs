@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use deltafin_core::LM_PREFIX;
 use serde::{Deserialize, Serialize};
@@ -44,23 +44,6 @@ fn same_place(a: &BTreeMap<String, SpineTensor>, b: &BTreeMap<String, SpineTenso
         })
 }
 
-/// The first tensor of `tensors` in `path` whose bytes do not match its checksum (or cannot be read).
-fn first_bad(path: &Path, tensors: &BTreeMap<String, SpineTensor>, progress: &dyn Progress) -> Option<String> {
-    let Ok(f) = std::fs::File::open(path) else {
-        return tensors.keys().next().cloned();
-    };
-    let mut buf = Vec::new();
-    for (n, t) in tensors {
-        buf.resize(t.len as usize, 0);
-        if f.read_exact_at(&mut buf, t.offset).is_err() || checksum(&buf) != t.xxh3 {
-            return Some(n.clone());
-        }
-        progress.advance(t.len);
-    }
-    super::drop_cache(&f);
-    None
-}
-
 /// Writes (or verifies and keeps) `STORE/spine.bin`.
 pub(super) fn write_spine_file(plan: &Plan, progress: &dyn Progress) -> Result<(Vec<PathBuf>, BTreeMap<String, SpineTensor>)> {
     let ckpt = plan.ckpt;
@@ -83,12 +66,13 @@ pub(super) fn write_spine_file(plan: &Plan, progress: &dyn Progress) -> Result<(
         let len = std::fs::metadata(&path).map(|m| m.len()).ok();
         if same_place(&s.tensors, &planned) && len == Some(total) {
             progress.begin("verify spine", total);
-            let bad = first_bad(&path, &s.tensors, progress);
+            let ranges: Vec<(u64, u64, &str)> = s.tensors.values().map(|t| (t.offset, t.len, t.xxh3.as_str())).collect();
+            let intact = super::readback::is_exact(&path, &ranges, progress);
             progress.end();
-            match bad {
-                None => return Ok((files, s.tensors.clone())),
-                Some(n) => eprintln!("deltafin setup: spine tensor `{n}` in {} is damaged; rewriting the spine", path.display()),
+            if intact {
+                return Ok((files, s.tensors.clone()));
             }
+            eprintln!("deltafin setup: {} is damaged; rewriting the spine", path.display());
         }
     }
     let recorded = |n: &str| -> Option<String> {
