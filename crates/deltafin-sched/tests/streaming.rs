@@ -136,9 +136,9 @@ fn truncated_pack_is_found_by_doctor_and_fails_cleanly() {
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
     let r = deltafin_store::doctor(&store, false, &NoProgress).unwrap();
     assert!(!r.ok() && r.problems.iter().all(|p| p.contains("truncated")), "{:?}", r.problems);
-    let model = EngineBuilder::new(&store).ram_budget(Some(minimum_budget(&store))).open().unwrap();
-    let err = generate(&model, &mut |_| {}).expect_err("a truncated store cannot generate").to_string();
-    assert!(err.contains("no working drive") && err.contains(&path.display().to_string()), "{err}");
+    // Found when the store opens, before the spine is loaded, naming the expert and the file.
+    let err = EngineBuilder::new(&store).open().err().expect("a truncated store cannot open").to_string();
+    assert!(err.contains("no readable copy") && err.contains("truncated") && err.contains(&path.display().to_string()), "{err}");
 }
 
 #[test]

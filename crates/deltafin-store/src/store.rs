@@ -45,8 +45,56 @@ impl Store {
         let cfg_path = dir.join("config.json");
         let config = K3Config::from_json(&config_text).map_err(|e| Error::format(&cfg_path, e.to_string()))?;
         manifest.validate(&config, dir)?;
+        Store::check_extents(dir, &manifest)?;
         let (placement, _) = Manifest::spine_placement(&manifest.spine);
         Ok(Store { dir: dir.to_path_buf(), manifest, config_text, config, spine: None, placement })
+    }
+
+    /// Every spine tensor and at least one copy of every expert lie inside an existing file
+    /// (one `stat` per file): a missing drive or a truncated file is an error before the spine is
+    /// loaded, not halfway through a generation. An expert with one good copy left runs (reads
+    /// fail over), so only experts with none are errors.
+    fn check_extents(dir: &Path, m: &Manifest) -> Result<()> {
+        let mut lens: HashMap<PathBuf, Option<u64>> = HashMap::new();
+        let mut len_of = |p: PathBuf| *lens.entry(p.clone()).or_insert_with(|| std::fs::metadata(&p).ok().map(|md| md.len()));
+        for (name, t) in &m.spine {
+            let p = m.spine_path(dir, t.file);
+            match len_of(p.clone()) {
+                Some(n) if n >= t.offset + t.len => {}
+                found => {
+                    return Err(Error::BadStore {
+                        path: p,
+                        why: match found {
+                            None => format!("spine file missing (spine tensor `{name}` lives there)"),
+                            Some(n) => format!("{n} bytes, spine tensor `{name}` ends at {} (truncated)", t.offset + t.len),
+                        },
+                        advice: m.advice(dir),
+                    })
+                }
+            }
+        }
+        for e in &m.experts {
+            let mut why = Vec::new();
+            for c in &e.copies {
+                let p = m.copy_path(c);
+                match len_of(p.clone()) {
+                    Some(n) if n >= c.offset + e.len => {
+                        why.clear();
+                        break;
+                    }
+                    Some(n) => why.push(format!("{} is {n} bytes, the expert ends at {} (truncated)", p.display(), c.offset + e.len)),
+                    None => why.push(format!("{} is missing (drive not mounted?)", p.display())),
+                }
+            }
+            if !why.is_empty() {
+                return Err(Error::BadStore {
+                    path: dir.to_path_buf(),
+                    why: format!("expert {}/{} has no readable copy: {}", e.layer, e.expert, why.join("; ")),
+                    advice: m.advice(dir),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Reads a small file of the store and checks it against the manifest's checksum.

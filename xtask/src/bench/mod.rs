@@ -41,7 +41,7 @@ fn ensure_model(preset: &str) -> Result<(PathBuf, PathBuf)> {
         crate::gen_k3::generate(preset, 0, &ckpt)?;
     }
     let store = models.join(format!("{preset}-store"));
-    if !store.join("manifest.json").exists() {
+    if deltafin_store::Manifest::read(&store).is_err() {
         deltafin_store::setup(
             &deltafin_store::SetupOptions {
                 source: ckpt.clone(),
