@@ -1,27 +1,13 @@
 //! The `deltafin` binary end to end: run (text, ids, stdin, stats JSON), logits, setup with a
 //! crash and resume, doctor.
 
+mod common;
+
+use common::*;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_deltafin"))
-}
-
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
-}
-
-fn ok(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap();
-    assert!(out.status.success(), "{:?} failed: {}", cmd, String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
-
-const REFERENCE_GREEDY: &str = "419,163,307,775,448,336,178,818,526,97,40,606,165,14,688,912";
-const PROMPT_IDS: &str = "78,544,115,815,284,256,101,969,111,58,32,49,50,347,266,115,907,32,52,50,32,281,115,119,256,115,46";
-const PROMPT_TEXT: &str = "Numbers matter here too: 12 boats and 42 answers.";
 
 #[test]
 fn run_prints_reference_ids_from_ids_text_and_stdin() {

@@ -3,27 +3,14 @@
 //! literally, fixes it, or repaired by setup. Driven through the `deltafin` binary on the tiny
 //! fixture, so each case takes well under a second.
 
+mod common;
+
+use common::*;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use deltafin_store::Manifest;
-
-const PROMPT_IDS: &str = "78,544,115,815,284,256,101,969,111,58,32,49,50,347,266,115,907,32,52,50,32,281,115,119,256,115,46";
-const REFERENCE_GREEDY: &str = "419,163,307,775,448,336,178,818,526,97,40,606,165,14,688,912";
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_deltafin"))
-}
-
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
-}
-
-fn ok(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap();
-    assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
 
 /// Runs a command that must fail cleanly (an error, not a panic); returns its stderr.
 fn fails(cmd: &mut Command) -> String {

@@ -104,17 +104,7 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
         let path = m.spine_path(dir, t.file);
         let what = format!("spine tensor `{name}` in {} at offset {}", path.display(), t.offset);
         if let Some(f) = &files[t.file] {
-            let len = f.metadata().map(|md| md.len()).unwrap_or(0);
-            if len < t.offset + t.len {
-                r.problems.push(format!("{what}: truncated (file is {len} bytes)"));
-            } else if verify {
-                buf.resize(t.len as usize, 0);
-                match f.read_exact_at(&mut buf, t.offset) {
-                    Err(e) => r.problems.push(format!("{what}: unreadable ({e})")),
-                    Ok(()) if checksum(&buf) != t.xxh3 => r.problems.push(format!("{what}: corrupt (checksum mismatch)")),
-                    Ok(()) => {}
-                }
-            }
+            check_range(f, (t.offset, t.len, &t.xxh3), &what, verify, &mut buf, &mut r.problems);
         }
         progress.advance(t.len);
     }
@@ -123,22 +113,10 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
         for c in &e.copies {
             r.copies_checked += 1;
             let path = m.copy_path(c);
-            let name = format!("expert {}/{} in {} at offset {}", e.layer, e.expert, path.display(), c.offset);
+            let what = format!("expert {}/{} in {} at offset {}", e.layer, e.expert, path.display(), c.offset);
             match std::fs::File::open(&path) {
-                Err(err) => r.problems.push(format!("{name}: missing ({err})")),
-                Ok(f) => {
-                    let len = f.metadata().map(|md| md.len()).unwrap_or(0);
-                    if len < c.offset + e.len {
-                        r.problems.push(format!("{name}: truncated (file is {len} bytes)"));
-                    } else if verify {
-                        buf.resize(e.len as usize, 0);
-                        match f.read_exact_at(&mut buf, c.offset) {
-                            Err(err) => r.problems.push(format!("{name}: unreadable ({err})")),
-                            Ok(()) if checksum(&buf) != e.xxh3 => r.problems.push(format!("{name}: corrupt (checksum mismatch)")),
-                            Ok(()) => {}
-                        }
-                    }
-                }
+                Err(err) => r.problems.push(format!("{what}: missing ({err})")),
+                Ok(f) => check_range(&f, (c.offset, e.len, &e.xxh3), &what, verify, &mut buf, &mut r.problems),
             }
             progress.advance(e.len);
         }
@@ -186,6 +164,29 @@ fn check_padding(dir: &Path, m: &Manifest, r: &mut DoctorReport) {
                 }
             }
             at = at.max(end);
+        }
+    }
+}
+
+/// Checks one checksummed range (offset, length, xxh3) of an open file: inside the file, and
+/// with `verify` matching its checksum; a problem is pushed naming `what`.
+fn check_range(
+    f: &std::fs::File,
+    (offset, len, sum): (u64, u64, &str),
+    what: &str,
+    verify: bool,
+    buf: &mut Vec<u8>,
+    problems: &mut Vec<String>,
+) {
+    let file_len = f.metadata().map(|md| md.len()).unwrap_or(0);
+    if file_len < offset + len {
+        problems.push(format!("{what}: truncated (file is {file_len} bytes)"));
+    } else if verify {
+        buf.resize(len as usize, 0);
+        match f.read_exact_at(buf, offset) {
+            Err(e) => problems.push(format!("{what}: unreadable ({e})")),
+            Ok(()) if checksum(buf) != sum => problems.push(format!("{what}: corrupt (checksum mismatch)")),
+            Ok(()) => {}
         }
     }
 }

@@ -1,0 +1,27 @@
+//! What the CLI's test files share: the binary, the fixture and its reference output.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The fixture prompt as ids, its text, and the reference implementation's 16 greedy ids.
+pub const PROMPT_IDS: &str = "78,544,115,815,284,256,101,969,111,58,32,49,50,347,266,115,907,32,52,50,32,281,115,119,256,115,46";
+pub const PROMPT_TEXT: &str = "Numbers matter here too: 12 boats and 42 answers.";
+pub const REFERENCE_GREEDY: &str = "419,163,307,775,448,336,178,818,526,97,40,606,165,14,688,912";
+
+/// The `deltafin` binary under test.
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_deltafin"))
+}
+
+/// The tiny fixture checkpoint.
+pub fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
+}
+
+/// Runs a command that must succeed; returns its stdout.
+pub fn ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
