@@ -35,7 +35,8 @@ pub use crate::{
     },
     math::{argmax, rms_norm_in_place, situ},
     model::{
-        chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Residual, Route, LM_PREFIX,
+        chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Recording, Residual, Route,
+        LM_PREFIX,
     },
     tensor::Mat,
     tokenizer::{reserved_token_name, HfTokenizer, Tokenizer, K3_PATTERN, RESERVED},

@@ -1,5 +1,5 @@
-//! The engine loop: a forward pass walks the layers over all new tokens at once (expert-major),
-//! and generation repeats single-token forwards greedily.
+//! The engine loop: forward passes are engine steps (`step.rs`) over one sequence, a long prompt
+//! in chunks, and generation repeats single-token steps greedily.
 //!
 //! **Expert-major.** At each MoE layer every new token is routed first; each distinct routed
 //! expert is then requested once and applied to all the tokens routed to it, as soon as its bytes
@@ -9,19 +9,20 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deltafin_core::{argmax, Mat, MlpKind, Model, MoeCombine, Residual};
-use deltafin_store::{ExpertSource, Priority};
+use deltafin_core::{argmax, Mat, Model};
+use deltafin_store::ExpertSource;
 
 use crate::error::{Error, Result};
 use crate::sequence::Sequence;
 use crate::stats::{peak_rss_bytes, Stats};
+use crate::step::{Phase, Slot};
 
 /// How many of the last layer's expert reads are still outstanding when the next token's guess
 /// is made: it runs the logits and the next token's first layers (about twice a layer guess's
 /// compute), so with one read left the drive ran dry before the guess was ready (a timeline of
 /// reads showed ~10 ms idle per token); two leave room for it, at the cost of one more missing
 /// expert output in the guess.
-const BOUNDARY_GUESS_LEFT: usize = 2;
+pub(crate) const BOUNDARY_GUESS_LEFT: usize = 2;
 
 /// The next token's guess is only as good as the provisional next token it starts from, and a
 /// wrong one costs whole expert reads: on a 100 MB/s drive, a random-weight model whose
@@ -31,7 +32,7 @@ const BOUNDARY_GUESS_LEFT: usize = 2;
 /// MoE layer is prefetched from it only while it has matched the real token at least this often
 /// over the last [`AGREEMENT_WINDOW`] steps, estimated as (right + 1) / (steps + 2): off at the
 /// start, on after two matches in a row; a confident model keeps it on.
-const BOUNDARY_AGREEMENT_MIN: f64 = 0.75;
+pub(crate) const BOUNDARY_AGREEMENT_MIN: f64 = 0.75;
 /// Steps the estimate remembers.
 const AGREEMENT_WINDOW: usize = 16;
 
@@ -163,18 +164,21 @@ impl Engine {
         let mut logits: Option<Mat> = None;
         for (i, part) in ids.chunks(chunk).enumerate() {
             let last_part = (i + 1) * chunk >= ids.len();
-            let (res, r) = self.forward_pass(seq, part, cancel, guess_next && last_part)?;
+            let rows = match logit_rows {
+                LogitRows::All => Some(LogitRows::All),
+                LogitRows::Last if last_part => Some(LogitRows::Last),
+                LogitRows::Last => None,
+            };
+            let phase = if part.len() == 1 { Phase::Decode } else { Phase::Prompt };
+            let mut slot = [Slot::new(seq, part, phase).logit_rows(rows.unwrap_or(LogitRows::Last))];
+            let out = self.step_inner(&mut slot, cancel, guess_next && last_part)?;
+            let r = out.report;
             report.read_wait += r.read_wait;
             report.distinct_expert_bytes += r.distinct_expert_bytes;
             report.provisional = r.provisional;
             report.boundary_guessed = r.boundary_guessed;
-            let rows = match logit_rows {
-                LogitRows::All => Some(0..part.len()),
-                LogitRows::Last if last_part => Some(part.len() - 1..part.len()),
-                LogitRows::Last => None,
-            };
-            if let Some(rows) = rows {
-                let l = self.model.logits(&res, rows);
+            if rows.is_some() {
+                let l = out.logits.into_iter().next().expect("one slot, one logits matrix");
                 match &mut logits {
                     None => logits = Some(l),
                     Some(m) => m.append(&l),
@@ -184,108 +188,17 @@ impl Engine {
         Ok((logits.expect("the last chunk always yields logits"), report))
     }
 
-    fn forward_pass(
-        &self,
-        seq: &mut Sequence,
-        ids: &[u32],
-        cancel: Option<&Cancel>,
-        guess_next: bool,
-    ) -> Result<(Residual, ForwardReport)> {
-        if seq.ids.len() + ids.len() > seq.context_limit {
-            return Err(deltafin_core::Error::ContextLimit(format!(
-                "{} tokens held + {} new exceed the context limit of {}; start a new conversation or raise --context",
-                seq.ids.len(),
-                ids.len(),
-                seq.context_limit
-            ))
-            .into());
+    /// Counts demands per (layer, expert) for the pinned tier.
+    pub(crate) fn note_heat(&self, l: usize, experts: &[u32]) {
+        let mut heat = self.heat.lock().expect("poisoned");
+        for &e in experts {
+            *heat.entry((l, e)).or_default() += 1;
         }
-        let snapshot = seq.layers.clone();
-        let result = self.walk_layers(seq, ids, cancel, guess_next);
-        if result.is_err() {
-            // A failed pass (a dead drive, a corrupt expert) must not leave half-advanced state.
-            seq.layers = snapshot;
-        } else {
-            seq.ids.extend_from_slice(ids);
-            seq.last_pass = ids.len();
-        }
-        result
     }
 
-    fn walk_layers(&self, seq: &mut Sequence, ids: &[u32], cancel: Option<&Cancel>, guess_next: bool) -> Result<(Residual, ForwardReport)> {
-        let cfg = self.model.config();
-        let mut report = ForwardReport::default();
-        let mut res = Residual::new(self.model.embed(ids)?);
-        for l in 0..cfg.num_layers {
-            if cancel.is_some_and(Cancel::is_cancelled) {
-                return Err(Error::Cancelled);
-            }
-            let x = self.model.attention_block(l, &mut seq.layers[l], &mut res)?;
-            let out = match cfg.mlp[l] {
-                MlpKind::Dense => self.model.dense_mlp(l, &x),
-                MlpKind::Moe => {
-                    let routes = self.model.route(l, &x);
-                    let z = self.model.moe_latent_in(l, &x);
-                    let mut combine = MoeCombine::new(routes, cfg.latent_size);
-                    let wanted = combine.expert_rows();
-                    report.distinct_expert_bytes += wanted.len() as u64 * self.experts.expert_bytes();
-                    let expert_ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
-                    {
-                        let mut heat = self.heat.lock().expect("poisoned");
-                        for &e in &expert_ids {
-                            *heat.entry((l, e)).or_default() += 1;
-                        }
-                    }
-                    let rx = self.experts.request(l, &expert_ids, Priority::Demand);
-                    // The shared experts need no reads: run them while the routed ones arrive.
-                    let shared = self.model.moe_shared(l, &x);
-                    let layout = self.experts.layout(l);
-                    // Prefetch pays only in decode (a prompt pass demands most experts anyway) and
-                    // only for a next layer that is an MoE layer.
-                    let lookahead = self.options.prefetch && ids.len() == 1 && l + 1 < cfg.num_layers && cfg.mlp[l + 1] == MlpKind::Moe;
-                    // In the last layer, with another token to come, the guess runs on: the
-                    // provisional output gives a provisional next token, whose first MoE layer's
-                    // experts are prefetched while this token's last expert, the logits and the
-                    // next token's first layers compute.
-                    let boundary = self.options.prefetch && guess_next && ids.len() == 1 && l + 1 == cfg.num_layers;
-                    for i in 0..wanted.len() {
-                        // The last expert is still being read: the drive would idle between its
-                        // arrival and the next layer's request (its compute, the next attention).
-                        // Guess the next layer's experts from this layer's output so far and
-                        // queue them behind it (in the last layer: the next token's first).
-                        let left = if boundary { BOUNDARY_GUESS_LEFT } else { 1 };
-                        if (lookahead || boundary) && i + left == wanted.len() && i > 0 && rx.is_empty() {
-                            let out = self.model.moe_finish(l, combine.partial(), shared.clone());
-                            // A guess that cannot run (a full context) only means no prefetch.
-                            if lookahead {
-                                if let Ok(routes) = self.model.guess_routes(l + 1, &mut seq.layers[l + 1], &res, &out) {
-                                    self.experts.prefetch(l + 1, &routes[0].experts);
-                                }
-                            } else {
-                                let on = self.agreement.lock().expect("poisoned").estimate() >= BOUNDARY_AGREEMENT_MIN;
-                                report.provisional = self.model.provisional_next_token(&res, &out);
-                                if let (true, Some(t)) = (on, report.provisional) {
-                                    if let Ok(Some((f, routes))) = self.model.first_moe_routes(&mut seq.layers, t) {
-                                        self.experts.prefetch(f, &routes[0].experts);
-                                        report.boundary_guessed = true;
-                                    }
-                                }
-                            }
-                        }
-                        let t0 = Instant::now();
-                        let (e, bytes) = rx.recv().map_err(|_| Error::Invalid(format!("expert reader for layer {l} stopped")))?;
-                        report.read_wait += t0.elapsed();
-                        let bytes = bytes?;
-                        let rows = &wanted.iter().find(|(id, _)| *id == e).expect("delivered an expert that was not requested").1;
-                        let y = self.model.expert(&layout, bytes.as_slice(), &z.gather(rows))?;
-                        combine.add(e, rows, &y);
-                    }
-                    self.model.moe_finish(l, combine.finish(), shared)
-                }
-            };
-            self.model.finish_layer(&mut res, &out);
-        }
-        Ok((res, report))
+    /// How often the provisional next token matched the real one, lately.
+    pub(crate) fn agreement_estimate(&self) -> f64 {
+        self.agreement.lock().expect("poisoned").estimate()
     }
 
     /// Scores the step's provisional next token (if one was worked out) against the real one.
@@ -432,7 +345,8 @@ impl Default for GenerateOptions {
 mod tests {
     use super::*;
     use crate::EngineBuilder;
-    use deltafin_core::Route;
+    use deltafin_core::{MlpKind, MoeCombine, Residual, Route};
+    use deltafin_store::Priority;
 
     #[test]
     fn the_next_tokens_guess_waits_for_matches_and_stops_at_misses() {

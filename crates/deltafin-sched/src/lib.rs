@@ -27,6 +27,7 @@ mod error;
 mod open;
 mod sequence;
 mod stats;
+mod step;
 
 pub use deltafin_core::argmax;
 pub use deltafin_store::{CacheMode, CachePolicy};
@@ -37,4 +38,5 @@ pub use crate::{
     open::{EngineBuilder, LoadedModel, MemoryPlan, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT},
     sequence::Sequence,
     stats::{peak_rss_bytes, Stats},
+    step::{Phase, Slot, StepOutput},
 };

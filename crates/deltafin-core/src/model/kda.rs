@@ -43,9 +43,24 @@ pub struct KdaState {
     pub conv: Vec<f32>,
     /// `[H][V][K]`.
     pub s: Vec<f32>,
-    /// Keep what is needed to rewind the next forward to any prefix (speculative verification).
-    pub record: bool,
+    /// What the next forward keeps so it can be undone.
+    pub record: Recording,
     replay: Option<Box<KdaReplay>>,
+}
+
+/// What a KDA layer keeps about its next forward so it can be undone. The MLA cache needs
+/// nothing: it is truncated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recording {
+    /// Nothing: the forward cannot be undone.
+    #[default]
+    Off,
+    /// The state it started from (one copy of the layer's state, whatever the context length):
+    /// the whole forward can be undone (a failed or cancelled pass).
+    Start,
+    /// The start and each token's recurrence inputs: it can be cut back to any prefix
+    /// (speculative verification).
+    Full,
 }
 
 impl PartialEq for KdaState {
@@ -63,7 +78,10 @@ impl PartialEq for KdaState {
 struct KdaReplay {
     conv: Vec<f32>,
     s: Vec<f32>,
-    /// Raw (pre-convolution) q, k, v projections, `[3][T*C]`.
+    /// Tokens of the recorded forward.
+    tokens: usize,
+    /// Raw (pre-convolution) q, k, v projections, `[3][T*C]` (empty when only the start was
+    /// recorded).
     raw: [Vec<f32>; 3],
     q: Mat,
     k: Mat,
@@ -79,7 +97,7 @@ impl KdaState {
         KdaState {
             conv: vec![0.0; 3 * (cfg.conv_kernel - 1) * c],
             s: vec![0.0; cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim],
-            record: false,
+            record: Recording::Off,
             replay: None,
         }
     }
@@ -88,8 +106,8 @@ impl KdaState {
     pub(crate) fn rewind(&mut self, cfg: &K3Config, isa: Isa, keep: usize) -> bool {
         let Some(r) = self.replay.take() else { return false };
         let (heads, d, c, kern) = (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_dim(), cfg.conv_kernel);
-        let t_len = r.beta.len() / heads;
-        if keep > t_len {
+        let start_only = r.beta.is_empty() && r.tokens > 0;
+        if keep > r.tokens || (keep > 0 && start_only) {
             self.replay = Some(r);
             return false;
         }
@@ -124,7 +142,12 @@ impl KdaState {
     }
     /// A copy of the numbers only (no replay log, not recording), to run a throwaway step on.
     pub(crate) fn scratch_copy(&self) -> KdaState {
-        KdaState { conv: self.conv.clone(), s: self.s.clone(), record: false, replay: None }
+        KdaState { conv: self.conv.clone(), s: self.s.clone(), record: Recording::Off, replay: None }
+    }
+
+    /// Drops what the last forward recorded (it will not be undone).
+    pub(crate) fn forget(&mut self) {
+        self.replay = None;
     }
 }
 
@@ -155,8 +178,11 @@ impl KdaWeights {
         let (heads, d, c, kern) = (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_dim(), cfg.conv_kernel);
         let t_len = x.rows;
         let mut qkv = [matmul_bf16(x, &self.q_proj), matmul_bf16(x, &self.k_proj), matmul_bf16(x, &self.v_proj)];
-        let start =
-            state.record.then(|| (state.conv.clone(), state.s.clone(), [qkv[0].data.clone(), qkv[1].data.clone(), qkv[2].data.clone()]));
+        let start = match state.record {
+            Recording::Off => None,
+            Recording::Start => Some((state.conv.clone(), state.s.clone(), [Vec::new(), Vec::new(), Vec::new()])),
+            Recording::Full => Some((state.conv.clone(), state.s.clone(), [qkv[0].data.clone(), qkv[1].data.clone(), qkv[2].data.clone()])),
+        };
         // Causal depthwise conv over [state ; x], then SiLU; keep the last kernel-1 raw inputs.
         for (i, m) in qkv.iter_mut().enumerate() {
             let st = &mut state.conv[i * (kern - 1) * c..(i + 1) * (kern - 1) * c];
@@ -199,20 +225,21 @@ impl KdaWeights {
         let b = matmul_bf16(x, &self.b_proj);
         let beta: Vec<f32> = b.data.iter().map(|&v| sigmoid(v)).collect();
 
-        if let Some((conv, s0, raw)) = start {
-            state.replay = Some(Box::new(KdaReplay {
+        state.replay = start.map(|(conv, s0, raw)| {
+            let full = state.record == Recording::Full;
+            let keep = |m: &Mat| if full { m.clone() } else { Mat::zeros(0, m.cols) };
+            Box::new(KdaReplay {
                 conv,
                 s: s0,
+                tokens: t_len,
                 raw,
-                q: q.clone(),
-                k: k.clone(),
-                v: v.clone(),
-                decay: decay.clone(),
-                beta: beta.clone(),
-            }));
-        } else {
-            state.replay = None;
-        }
+                q: keep(&q),
+                k: keep(&k),
+                v: keep(&v),
+                decay: keep(&decay),
+                beta: if full { beta.clone() } else { Vec::new() },
+            })
+        });
         // The recurrence, one head per task (heads are independent).
         let mut o = Mat::zeros(t_len, c);
         let outs: Vec<Vec<f32>> = state

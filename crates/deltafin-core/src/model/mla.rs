@@ -32,7 +32,7 @@ pub(crate) struct MlaWeights {
 }
 
 /// The MLA cache of one layer: normalized latents and `k_pe` for every past token.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct MlaCache {
     /// `[len][kv_lora_rank]`.
     pub latent: Vec<f32>,
@@ -46,10 +46,28 @@ pub struct MlaCache {
     pub last_forward: usize,
 }
 
+impl PartialEq for MlaCache {
+    /// Caches are equal when their tokens' numbers are (`last_forward` is bookkeeping).
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.latent == other.latent && self.k_pe == other.k_pe
+    }
+}
+
 impl MlaCache {
     /// An empty cache holding at most `limit` tokens.
     pub fn new(limit: usize) -> MlaCache {
         MlaCache { latent: Vec::new(), k_pe: Vec::new(), len: 0, limit, last_forward: 0 }
+    }
+    /// An empty cache with room reserved for `limit` tokens of `cfg` (address space only: pages
+    /// are touched as tokens arrive), so appending never moves the cache.
+    pub fn with_capacity(cfg: &K3Config, limit: usize) -> MlaCache {
+        MlaCache {
+            latent: Vec::with_capacity(limit * cfg.kv_lora_rank),
+            k_pe: Vec::with_capacity(limit * cfg.qk_rope_dim),
+            len: 0,
+            limit,
+            last_forward: 0,
+        }
     }
     /// Bytes per cached token.
     pub fn bytes_per_token(cfg: &K3Config) -> usize {

@@ -14,7 +14,7 @@ mod mla;
 mod moe;
 
 pub use attn_res::Residual;
-pub use kda::{chunked_delta_rule, KdaState};
+pub use kda::{chunked_delta_rule, KdaState, Recording};
 pub use mla::MlaCache;
 pub use moe::{expert_forward, ExpertLayout, MoeCombine, Route};
 
@@ -59,8 +59,21 @@ impl LayerState {
     /// Whether the next forward keeps what is needed to rewind it (KDA layers; MLA caches can
     /// always be truncated).
     pub fn set_recording(&mut self, on: bool) {
+        self.set_record(if on { Recording::Full } else { Recording::Off });
+    }
+
+    /// What the next forward keeps so it can be undone (KDA layers; MLA caches are truncated).
+    pub fn set_record(&mut self, mode: Recording) {
         if let LayerState::Kda(s) = self {
-            s.record = on;
+            s.record = mode;
+        }
+    }
+
+    /// Drops what the last forward recorded and stops recording.
+    pub fn forget(&mut self) {
+        if let LayerState::Kda(s) = self {
+            s.forget();
+            s.record = Recording::Off;
         }
     }
 
@@ -138,7 +151,7 @@ impl Model {
             .iter()
             .map(|k| match k {
                 AttentionKind::Kda => LayerState::Kda(KdaState::new(&self.config)),
-                AttentionKind::Mla => LayerState::Mla(MlaCache::new(context)),
+                AttentionKind::Mla => LayerState::Mla(MlaCache::with_capacity(&self.config, context)),
             })
             .collect()
     }

@@ -1,0 +1,242 @@
+//! The engine step: one forward pass over a set of slots, the unit of all work.
+//!
+//! A slot is one sequence, its new token ids, which rows want logits, and its phase (prompt,
+//! decode, verify). The layer walk is written here once: per layer, attention runs per slot (each
+//! has its own state), then the MLP runs over the rows of all slots together; at an MoE layer each
+//! distinct routed expert is requested once for the whole step and applied to every row routed to
+//! it as its bytes arrive. The kernels are batch-invariant, so a slot's output is bit-identical
+//! whatever else shares its step.
+//!
+//! **Rollback without copies.** A step records, per KDA layer, only what is needed to undo it
+//! (the state it started from; for verification, also each token's recurrence inputs, so it can be
+//! cut back to any prefix); MLA caches are truncated. A failed or cancelled step is undone from
+//! that record; no sequence's state is ever cloned, so a step's memory does not grow with the
+//! context.
+
+use std::time::Instant;
+
+use deltafin_core::{LayerState, Mat, MlpKind, MoeCombine, Residual};
+use deltafin_store::Priority;
+
+use crate::engine::{Cancel, Engine, ForwardReport, LogitRows, BOUNDARY_AGREEMENT_MIN, BOUNDARY_GUESS_LEFT};
+use crate::error::{Error, Result};
+use crate::sequence::Sequence;
+
+/// What a slot's rows are for. Decides what the step records to undo them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Phase {
+    /// Prompt tokens (a whole prompt or a chunk of one).
+    Prompt,
+    /// One generated token.
+    Decode,
+    /// Drafted tokens to check: the step can afterwards be cut back to any prefix
+    /// ([`Sequence::rewind_to`]).
+    Verify,
+}
+
+/// One sequence's part of a step.
+pub struct Slot<'a> {
+    pub(crate) seq: &'a mut Sequence,
+    pub(crate) ids: &'a [u32],
+    pub(crate) logits: LogitRows,
+    pub(crate) phase: Phase,
+}
+
+impl<'a> Slot<'a> {
+    /// `ids` to run after what `seq` holds; logits for the last row (for every row when verifying).
+    pub fn new(seq: &'a mut Sequence, ids: &'a [u32], phase: Phase) -> Slot<'a> {
+        let logits = if phase == Phase::Verify { LogitRows::All } else { LogitRows::Last };
+        Slot { seq, ids, logits, phase }
+    }
+    /// Which rows want logits.
+    pub fn logit_rows(mut self, rows: LogitRows) -> Slot<'a> {
+        self.logits = rows;
+        self
+    }
+}
+
+/// What a step produced.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct StepOutput {
+    /// Per slot, in order: logits `[rows, vocab]` of the rows it asked for.
+    pub logits: Vec<Mat>,
+    /// Reads, waits and guesses of the step.
+    pub report: ForwardReport,
+}
+
+/// What the lone decode row of a step lends the MoE layers for prefetch guesses.
+struct Guess<'s> {
+    layers: &'s mut [LayerState],
+    res: &'s Residual,
+    /// Another one-token step follows: the last layer may guess the next token's experts.
+    next_token: bool,
+}
+
+impl Engine {
+    /// Runs one forward pass over `slots`: each slot's new ids after what its sequence holds.
+    /// On success every sequence has advanced; on any error (a dead drive, a corrupt expert, a
+    /// full context, `cancel`) every sequence is as it was before the call.
+    pub fn step(&self, slots: &mut [Slot<'_>], cancel: Option<&Cancel>) -> Result<StepOutput> {
+        self.step_inner(slots, cancel, false)
+    }
+
+    /// [`Engine::step`]; `guess_next`: another one-token step will follow (generation), so the
+    /// last layer may prefetch for it.
+    pub(crate) fn step_inner(&self, slots: &mut [Slot<'_>], cancel: Option<&Cancel>, guess_next: bool) -> Result<StepOutput> {
+        if slots.is_empty() || slots.iter().any(|s| s.ids.is_empty()) {
+            return Err(Error::Invalid("nothing to run: a step needs slots with at least one token each".into()));
+        }
+        for s in slots.iter() {
+            if s.seq.ids.len() + s.ids.len() > s.seq.context_limit {
+                return Err(deltafin_core::Error::ContextLimit(format!(
+                    "{} tokens held + {} new exceed the context limit of {}; start a new conversation or raise --context",
+                    s.seq.ids.len(),
+                    s.ids.len(),
+                    s.seq.context_limit
+                ))
+                .into());
+            }
+        }
+        for s in slots.iter_mut() {
+            s.seq.begin_pass(s.phase);
+        }
+        let mut advanced = vec![0usize; slots.len()];
+        match self.walk(slots, &mut advanced, cancel, guess_next) {
+            Ok((res, report)) => {
+                let mut logits = Vec::with_capacity(slots.len());
+                for (s, r) in slots.iter_mut().zip(&res) {
+                    s.seq.commit_pass(s.ids, s.phase);
+                    let n = s.ids.len();
+                    logits.push(match s.logits {
+                        LogitRows::All => self.model().logits(r, 0..n),
+                        LogitRows::Last => self.model().logits(r, n - 1..n),
+                    });
+                }
+                Ok(StepOutput { logits, report })
+            }
+            Err(e) => {
+                for (s, &done) in slots.iter_mut().zip(&advanced) {
+                    s.seq.undo_pass(self.model(), done)?;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The layer walk. `advanced[i]`: layers whose state slot `i` has advanced (what an undo
+    /// must roll back).
+    fn walk(
+        &self,
+        slots: &mut [Slot<'_>],
+        advanced: &mut [usize],
+        cancel: Option<&Cancel>,
+        guess_next: bool,
+    ) -> Result<(Vec<Residual>, ForwardReport)> {
+        let model = self.model();
+        let cfg = model.config();
+        let mut report = ForwardReport::default();
+        let mut res: Vec<Residual> = slots.iter().map(|s| model.embed(s.ids).map(Residual::new)).collect::<std::result::Result<_, _>>()?;
+        // Prefetch pays only in decode (a prompt step demands most experts anyway), for a lone row.
+        let lone_decode = slots.len() == 1 && slots[0].ids.len() == 1;
+        for l in 0..cfg.num_layers {
+            if cancel.is_some_and(Cancel::is_cancelled) {
+                return Err(Error::Cancelled);
+            }
+            let mut x: Option<Mat> = None;
+            for (i, s) in slots.iter_mut().enumerate() {
+                let xi = model.attention_block(l, &mut s.seq.layers[l], &mut res[i])?;
+                advanced[i] = l + 1;
+                match &mut x {
+                    None => x = Some(xi),
+                    Some(m) => m.append(&xi),
+                }
+            }
+            let x = x.expect("at least one slot");
+            let out = match cfg.mlp[l] {
+                MlpKind::Dense => model.dense_mlp(l, &x),
+                MlpKind::Moe => {
+                    let guess = if lone_decode {
+                        Some(Guess { layers: &mut slots[0].seq.layers, res: &res[0], next_token: guess_next })
+                    } else {
+                        None
+                    };
+                    self.moe_layer(l, &x, guess, &mut report)?
+                }
+            };
+            let mut row = 0;
+            for (s, r) in slots.iter().zip(res.iter_mut()) {
+                let n = s.ids.len();
+                if n == out.rows {
+                    model.finish_layer(r, &out);
+                } else {
+                    model.finish_layer(r, &out.rows_range(row, n));
+                }
+                row += n;
+            }
+        }
+        Ok((res, report))
+    }
+
+    /// An MoE layer over the rows `x` of a whole step: route every row, request each distinct
+    /// expert once, apply it to all its rows as it arrives (combined in ascending expert id), and
+    /// run the shared experts while the routed ones are read.
+    fn moe_layer(&self, l: usize, x: &Mat, mut guess: Option<Guess<'_>>, report: &mut ForwardReport) -> Result<Mat> {
+        let model = self.model();
+        let cfg = model.config();
+        let routes = model.route(l, x);
+        let z = model.moe_latent_in(l, x);
+        let mut combine = MoeCombine::new(routes, cfg.latent_size);
+        let wanted = combine.expert_rows();
+        report.distinct_expert_bytes += wanted.len() as u64 * self.experts().expert_bytes();
+        let expert_ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
+        self.note_heat(l, &expert_ids);
+        let rx = self.experts().request(l, &expert_ids, Priority::Demand);
+        // The shared experts need no reads: run them while the routed ones arrive.
+        let shared = model.moe_shared(l, x);
+        let layout = self.experts().layout(l);
+        let prefetch = self.options().prefetch && guess.is_some();
+        // Guess the next layer's experts only where the next layer is an MoE layer.
+        let lookahead = prefetch && l + 1 < cfg.num_layers && cfg.mlp[l + 1] == MlpKind::Moe;
+        // In the last layer, with another token to come, the guess runs on: the provisional
+        // output gives a provisional next token, whose first MoE layer's experts are prefetched
+        // while this token's last expert, the logits and the next token's first layers compute.
+        let boundary = prefetch && guess.as_ref().is_some_and(|g| g.next_token) && l + 1 == cfg.num_layers;
+        for i in 0..wanted.len() {
+            // The last expert is still being read: the drive would idle between its arrival and
+            // the next layer's request (its compute, the next attention). Guess the next layer's
+            // experts from this layer's output so far and queue them behind it (in the last
+            // layer: the next token's first).
+            let left = if boundary { BOUNDARY_GUESS_LEFT } else { 1 };
+            if let (true, Some(g)) = (lookahead || boundary, guess.as_mut()) {
+                if i + left == wanted.len() && i > 0 && rx.is_empty() {
+                    let out = model.moe_finish(l, combine.partial(), shared.clone());
+                    // A guess that cannot run (a full context) only means no prefetch.
+                    if lookahead {
+                        if let Ok(routes) = model.guess_routes(l + 1, &mut g.layers[l + 1], g.res, &out) {
+                            self.experts().prefetch(l + 1, &routes[0].experts);
+                        }
+                    } else {
+                        let on = self.agreement_estimate() >= BOUNDARY_AGREEMENT_MIN;
+                        report.provisional = model.provisional_next_token(g.res, &out);
+                        if let (true, Some(t)) = (on, report.provisional) {
+                            if let Ok(Some((f, routes))) = model.first_moe_routes(g.layers, t) {
+                                self.experts().prefetch(f, &routes[0].experts);
+                                report.boundary_guessed = true;
+                            }
+                        }
+                    }
+                }
+            }
+            let t0 = Instant::now();
+            let (e, bytes) = rx.recv().map_err(|_| Error::Invalid(format!("expert reader for layer {l} stopped")))?;
+            report.read_wait += t0.elapsed();
+            let bytes = bytes?;
+            let rows = &wanted.iter().find(|(id, _)| *id == e).expect("delivered an expert that was not requested").1;
+            let y = model.expert(&layout, bytes.as_slice(), &z.gather(rows))?;
+            combine.add(e, rows, &y);
+        }
+        Ok(model.moe_finish(l, combine.finish(), shared))
+    }
+}
