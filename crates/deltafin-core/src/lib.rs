@@ -30,7 +30,7 @@ pub use crate::{
     config::{AttentionKind, ExpertShape, K3Config, MlpKind},
     error::{Error, Result},
     kernels::{
-        dot_bf16, dot_f32, dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_bf16, matmul_bf16_with, permute_for_mxfp4, Isa,
+        dot_bf16, dot_f32, dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_bf16, matmul_bf16_with, permute_for_mxfp4, Isa, IsaKind,
         Mxfp4Matrix, LANES,
     },
     math::{argmax, rms_norm_in_place, situ},

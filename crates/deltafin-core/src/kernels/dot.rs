@@ -5,9 +5,9 @@ use crate::weights::bf16_to_f32;
 /// Number of accumulation lanes; part of the numerical definition of every kernel.
 pub const LANES: usize = 16;
 
-/// Which instruction set a kernel runs on. All produce identical bits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
+/// An instruction set kernels can run on. All produce identical bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IsaKind {
     Scalar,
     Avx2,
     Avx512,
@@ -15,45 +15,46 @@ pub enum Isa {
     Neon,
 }
 
+/// Proof that this CPU runs an instruction set: the kernels' `unsafe` SIMD paths are sound only
+/// because an `Isa` other than scalar cannot be made without feature detection (the field is
+/// private; [`Isa::new`] checks):
+///
+/// ```compile_fail
+/// let avx512 = deltafin_core::Isa(deltafin_core::IsaKind::Avx512);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Isa(IsaKind);
+
 impl Isa {
+    /// The scalar reference, on any CPU.
+    pub const SCALAR: Isa = Isa(IsaKind::Scalar);
+
+    /// `kind`, if this CPU supports it.
+    pub fn new(kind: IsaKind) -> Option<Isa> {
+        let ok = match kind {
+            IsaKind::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            IsaKind::Avx2 => std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            IsaKind::Avx512 => std::is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "aarch64")]
+            IsaKind::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        };
+        ok.then_some(Isa(kind))
+    }
+    /// Which instruction set this is.
+    pub fn kind(self) -> IsaKind {
+        self.0
+    }
     /// The fastest kernel this CPU supports.
     pub fn best() -> Isa {
-        #[cfg(target_arch = "aarch64")]
-        {
-            if std::arch::is_aarch64_feature_detected!("neon") {
-                return Isa::Neon;
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
+        [IsaKind::Neon, IsaKind::Avx512, IsaKind::Avx2].into_iter().find_map(Isa::new).unwrap_or(Isa::SCALAR)
     }
-    /// Every kernel this CPU can run (for tests).
+    /// Every kernel this CPU can run (for tests), the scalar reference first.
     pub fn available() -> Vec<Isa> {
-        let mut v = vec![Isa::Scalar];
-        #[cfg(target_arch = "aarch64")]
-        {
-            if std::arch::is_aarch64_feature_detected!("neon") {
-                v.push(Isa::Neon);
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                v.push(Isa::Avx2);
-            }
-            if std::is_x86_feature_detected!("avx512f") {
-                v.push(Isa::Avx512);
-            }
-        }
-        v
+        [IsaKind::Scalar, IsaKind::Neon, IsaKind::Avx2, IsaKind::Avx512].into_iter().filter_map(Isa::new).collect()
     }
 }
 
@@ -72,15 +73,15 @@ pub(crate) fn reduce_lanes(acc: &[f32; LANES]) -> f32 {
 /// `sum_i x[i] * w[i]` with `w` little-endian BF16 bytes.
 pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u8]) -> f32 {
     assert_eq!(w.len(), x.len() * 2, "dot_bf16: length mismatch");
-    match isa {
+    match isa.kind() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2`/`Avx512` are only constructed after feature detection.
-        Isa::Avx2 => unsafe { x86::dot_bf16_avx2(x, w) },
+        // SAFETY: an `Isa` of `Avx2`/`Avx512` is only made after feature detection (`Isa::new`).
+        IsaKind::Avx2 => unsafe { x86::dot_bf16_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::dot_bf16_avx512(x, w) },
+        IsaKind::Avx512 => unsafe { x86::dot_bf16_avx512(x, w) },
         #[cfg(target_arch = "aarch64")]
-        // SAFETY: `Isa::Neon` is only constructed after feature detection.
-        Isa::Neon => unsafe { super::neon::dot_bf16_neon(x, w) },
+        // SAFETY: an `Isa` of `Neon` is only made after feature detection (`Isa::new`).
+        IsaKind::Neon => unsafe { super::neon::dot_bf16_neon(x, w) },
         _ => dot_bf16_scalar(x, w, 0, [0.0; LANES]),
     }
 }
@@ -88,14 +89,14 @@ pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u8]) -> f32 {
 /// `sum_i x[i] * w[i]` in F32.
 pub fn dot_f32(isa: Isa, x: &[f32], w: &[f32]) -> f32 {
     assert_eq!(w.len(), x.len(), "dot_f32: length mismatch");
-    match isa {
+    match isa.kind() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::dot_f32_avx2(x, w) },
+        IsaKind::Avx2 => unsafe { x86::dot_f32_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::dot_f32_avx512(x, w) },
+        IsaKind::Avx512 => unsafe { x86::dot_f32_avx512(x, w) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: as above.
-        Isa::Neon => unsafe { super::neon::dot_f32_neon(x, w) },
+        IsaKind::Neon => unsafe { super::neon::dot_f32_neon(x, w) },
         _ => dot_f32_scalar(x, w, 0, [0.0; LANES]),
     }
 }

@@ -7,7 +7,7 @@
 //! that both halves load contiguously. Each weight is dequantized exactly (`code * 2^(s-127)` is
 //! representable in F32) and fused-multiply-added, so the scalar and SIMD kernels agree bit for bit.
 
-use super::dot::{reduce_lanes, Isa, LANES};
+use super::dot::{reduce_lanes, Isa, IsaKind, LANES};
 
 /// E2M1 code to value, sign included (code 8 is -0.0).
 const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
@@ -44,15 +44,15 @@ pub fn permute_for_mxfp4(x: &[f32]) -> Vec<f32> {
 /// and `scales` of `cols/32` bytes.
 pub fn dot_mxfp4(isa: Isa, xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
     assert!(xp.len() == packed.len() * 2 && xp.len() == scales.len() * 32, "dot_mxfp4: length mismatch");
-    match isa {
+    match isa.kind() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: SIMD variants are only selected after feature detection.
-        Isa::Avx2 => unsafe { x86::dot_mxfp4_avx2(xp, packed, scales) },
+        IsaKind::Avx2 => unsafe { x86::dot_mxfp4_avx2(xp, packed, scales) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::dot_mxfp4_avx512(xp, packed, scales) },
+        IsaKind::Avx512 => unsafe { x86::dot_mxfp4_avx512(xp, packed, scales) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: NEON is only selected after feature detection.
-        Isa::Neon => unsafe { super::neon::dot_mxfp4_neon(xp, packed, scales) },
+        IsaKind::Neon => unsafe { super::neon::dot_mxfp4_neon(xp, packed, scales) },
         _ => dot_mxfp4_scalar(xp, packed, scales),
     }
 }
@@ -67,16 +67,16 @@ pub fn dot_mxfp4_inputs(isa: Isa, xs: &[&[f32]], packed: &[u8], scales: &[u8], o
     for x in xs {
         assert!(x.len() == packed.len() * 2 && x.len() == scales.len() * 32, "dot_mxfp4_inputs: length mismatch");
     }
-    match isa {
+    match isa.kind() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
+        IsaKind::Avx512 => {
             for (xs, out) in xs.chunks(8).zip(out.chunks_mut(8)) {
                 // SAFETY: AVX-512 is only selected after feature detection; lengths checked.
                 unsafe { x86::dot_mxfp4_avx512_inputs(xs, packed, scales, out) }
             }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
+        IsaKind::Avx2 => {
             for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
                 // SAFETY: AVX2 is only selected after feature detection; lengths checked.
                 unsafe { x86::dot_mxfp4_avx2_inputs(xs, packed, scales, out) }

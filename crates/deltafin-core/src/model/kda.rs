@@ -413,7 +413,7 @@ mod tests {
         let mut o_rec = vec![0f32; t_len * d];
         for t in 0..t_len {
             let r = t * d..(t + 1) * d;
-            recurrent_step(Isa::Scalar, &mut s_rec, &q[r.clone()], &k[r.clone()], &v[r.clone()], &decay[r.clone()], beta[t], &mut o_rec[r]);
+            recurrent_step(Isa::SCALAR, &mut s_rec, &q[r.clone()], &k[r.clone()], &v[r.clone()], &decay[r.clone()], beta[t], &mut o_rec[r]);
         }
         for chunk in [1, 4, 8, 64] {
             let mut s = s0.clone();
