@@ -8,8 +8,7 @@
 
 use std::io::Write;
 
-use deltafin_core::{Message, Role};
-use deltafin_sched::{EngineBuilder, GenerateOptions};
+use deltafin::{EngineBuilder, GenerateOptions, Message, Role};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -22,7 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Render a conversation in K3's chat format; user text can never inject control tokens.
     let chat = model.chat()?;
     let ids = chat.render(&[Message::new(Role::System, "You are concise."), Message::new(Role::User, prompt)], Some("low"))?;
-    let opts = GenerateOptions { max_new: 32, stop_ids: chat.stop_ids(), ..Default::default() };
+    let opts = GenerateOptions::new(32).stop_ids(chat.stop_ids());
 
     // Generate greedily, streaming complete UTF-8 as it arrives.
     let mut seq = model.new_sequence();

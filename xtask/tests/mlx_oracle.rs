@@ -45,7 +45,7 @@ fn random_configs_match_mlx_lm_float32() {
         let mut s = model.new_sequence();
         model
             .engine()
-            .generate(&mut s, &ids[..8], &GenerateOptions { max_new: 6, stop_ids: vec![], ..Default::default() }, |id| {
+            .generate(&mut s, &ids[..8], &GenerateOptions::new(6), |id| {
                 a.push(id);
                 true
             })

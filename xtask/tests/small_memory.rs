@@ -15,7 +15,7 @@ fn small_model_peak_memory_stays_below_disk_size_plus_1gb() {
     let mut n = 0;
     model
         .engine()
-        .generate(&mut seq, &prompt, &GenerateOptions { max_new: 8, ..Default::default() }, |_| {
+        .generate(&mut seq, &prompt, &GenerateOptions::new(8), |_| {
             n += 1;
             true
         })

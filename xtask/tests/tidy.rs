@@ -87,7 +87,7 @@ fn crate_boundaries_hold() {
         }
     }
     // Only the server knows HTTP.
-    for krate in ["deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-cli"] {
+    for krate in ["deltafin", "deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-cli"] {
         let manifest = std::fs::read_to_string(root().join(format!("crates/{krate}/Cargo.toml"))).unwrap();
         for dep in ["axum", "hyper", "tokio"] {
             if manifest
@@ -98,8 +98,22 @@ fn crate_boundaries_hold() {
             }
         }
     }
+    // Front ends (the CLI, the server, the examples) use the `deltafin` facade, nothing beneath.
+    for manifest in ["crates/deltafin-cli/Cargo.toml", "crates/deltafin-server/Cargo.toml", "examples/Cargo.toml"] {
+        let text = std::fs::read_to_string(root().join(manifest)).unwrap();
+        let deps = text.split("[dependencies]").nth(1).unwrap_or("").split("\n[").next().unwrap_or("");
+        for inner in ["deltafin-core", "deltafin-sched", "deltafin-store", "deltafin-spec"] {
+            if deps.lines().any(|l| l.starts_with(inner)) {
+                bad.push(format!("{manifest} depends on {inner}: front ends use the `deltafin` crate"));
+            }
+        }
+    }
+    // The facade documents everything it adds.
+    if !std::fs::read_to_string(root().join("crates/deltafin/src/lib.rs")).unwrap().contains("#![deny(missing_docs)]") {
+        bad.push("crates/deltafin must #![deny(missing_docs)]".into());
+    }
     // Library crates use their own error enums; anyhow only in binaries and xtask.
-    for krate in ["deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-server"] {
+    for krate in ["deltafin", "deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-server"] {
         let manifest = std::fs::read_to_string(root().join(format!("crates/{krate}/Cargo.toml"))).unwrap();
         let deps = manifest.split("[dependencies]").nth(1).unwrap_or("").split("\n[").next().unwrap_or("");
         if deps.lines().any(|l| l.starts_with("anyhow")) {

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use deltafin_core::{Message, Role};
-use deltafin_sched::{EngineBuilder, GenerateOptions, LoadedModel, LogitRows};
+use deltafin::{EngineBuilder, GenerateOptions, LoadedModel, LogitRows};
+use deltafin::{Message, Role};
 
 /// Options shared by every command that opens a model.
 #[derive(Args, Clone, Debug)]
@@ -15,7 +15,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub model: PathBuf,
     /// Most tokens a sequence may hold (bounds the MLA cache).
-    #[arg(long, default_value_t = deltafin_sched::DEFAULT_CONTEXT)]
+    #[arg(long, default_value_t = deltafin::DEFAULT_CONTEXT)]
     pub context: usize,
     /// Most prompt tokens per forward pass (no effect on output).
     #[arg(long)]
@@ -55,12 +55,12 @@ impl ModelArgs {
             .prefill_chunk(self.prefill_chunk)
             .prefetch(!self.no_prefetch)
             .ram_budget(self.ram_budget)
-            .cache_mode(if self.page_cache { deltafin_sched::CacheMode::Buffered } else { deltafin_sched::CacheMode::Direct })
+            .cache_mode(if self.page_cache { deltafin::CacheMode::Buffered } else { deltafin::CacheMode::Direct })
             .queue_depth(self.queue_depth)
             .read_caps(self.read_caps.clone())
             .pin_bytes(self.pin.unwrap_or(0))
-            .split_reads_min(if self.no_split_reads { u64::MAX } else { deltafin_store::DEFAULT_SPLIT_MIN })
-            .cache_policy(if self.cache_policy == "lru" { deltafin_sched::CachePolicy::Lru } else { deltafin_sched::CachePolicy::NextUse })
+            .split_reads_min(if self.no_split_reads { u64::MAX } else { deltafin::DEFAULT_SPLIT_MIN })
+            .cache_policy(if self.cache_policy == "lru" { deltafin::CachePolicy::Lru } else { deltafin::CachePolicy::NextUse })
             .open()
             .with_context(|| format!("opening model {}", self.model.display()))
     }
@@ -122,7 +122,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty: give --prompt TEXT, --ids 1,2,3, or text on stdin");
     }
     let stop_ids = if a.chat { model.chat()?.stop_ids() } else { Vec::new() };
-    let opts = GenerateOptions { max_new: a.max_new, stop_ids, ..Default::default() };
+    let opts = GenerateOptions::new(a.max_new).stop_ids(stop_ids);
     let mut seq = model.new_sequence();
     let mut out = std::io::stdout().lock();
     let mut dec = model.tokenizer().stream();

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use clap::Args;
-use deltafin_core::{Message, Role};
-use deltafin_sched::{Cancel, GenerateOptions};
+use deltafin::{Cancel, GenerateOptions};
+use deltafin::{Message, Role};
 
 use crate::run::ModelArgs;
 
@@ -114,7 +114,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
             }
             "/stats" => {
                 match &last_stats {
-                    Some(s) => eprintln!("{}", deltafin_sched::Stats::summary(s)),
+                    Some(s) => eprintln!("{}", deltafin::Stats::summary(s)),
                     None => eprintln!("(no reply yet)"),
                 }
                 continue;
@@ -133,7 +133,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         }
         let cached = seq.ids().len();
         let cancel = Cancel::new();
-        let opts = GenerateOptions { max_new: a.max_new, stop_ids: chat.stop_ids(), cancel: Some(cancel.clone()) };
+        let opts = GenerateOptions::new(a.max_new).stop_ids(chat.stop_ids()).cancel(cancel.clone());
         let mut reply_ids = Vec::new();
         let mut dec = model.tokenizer().stream();
         let mut out = std::io::stdout();
@@ -152,7 +152,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         println!("{}", dec.finish());
         match result {
             Ok(stats) => last_stats = Some(stats),
-            Err(deltafin_sched::Error::Cancelled) => {
+            Err(deltafin::Error::Cancelled) => {
                 eprintln!("(stopped)");
                 seq = model.new_sequence();
             }

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use deltafin_store::{doctor, setup, ExpertLayoutKind, Progress, SetupOptions};
+use deltafin::{doctor, setup, ExpertLayoutKind, Progress, SetupOptions, StoreInfo};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Progress bars with bytes/s and ETA.
@@ -70,30 +70,26 @@ pub fn run_setup(a: SetupArgs) -> Result<()> {
     if a.in_place && !a.homes.is_empty() {
         bail!("--in-place reads experts from the checkpoint folder; --home only applies to copied packs");
     }
-    let opts = SetupOptions {
-        source: a.from.clone(),
-        out: a.out.clone(),
-        homes: a.homes.clone(),
-        layout: if a.in_place { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs },
-        copies: a.copies,
-        reinstall: a.reinstall,
-    };
-    let m = setup(&opts, &Bars::new())?;
-    ready(&a.out, &m);
+    let opts = SetupOptions::new(&a.from, &a.out)
+        .homes(a.homes.clone())
+        .layout(if a.in_place { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs })
+        .copies(a.copies)
+        .reinstall(a.reinstall);
+    let info = setup(&opts, &Bars::new())?;
+    ready(&a.out, &info);
     Ok(())
 }
 
-fn ready(out: &std::path::Path, m: &deltafin_store::Manifest) {
-    let bytes: u64 = m.experts.iter().map(|e| e.len).sum();
+fn ready(out: &std::path::Path, s: &StoreInfo) {
     eprintln!(
         "store ready at {}: spine {:.1} MB, {} experts ({:.1} MB) over {} home(s), layout {}, content {}",
         out.display(),
-        m.spine_bytes as f64 / 1e6,
-        m.experts.len(),
-        bytes as f64 / 1e6,
-        m.homes.len(),
-        m.layout,
-        &m.content_id[..16]
+        s.spine_bytes as f64 / 1e6,
+        s.experts,
+        s.expert_bytes as f64 / 1e6,
+        s.homes,
+        s.layout,
+        &s.content_id[..16]
     );
 }
 
@@ -113,8 +109,8 @@ pub struct DoctorArgs {
 
 pub fn run_doctor(a: DoctorArgs) -> Result<()> {
     if a.repair {
-        let m = deltafin_store::repair(&a.model, &Bars::new())?;
-        ready(&a.model, &m);
+        let info = deltafin::repair(&a.model, &Bars::new())?;
+        ready(&a.model, &info);
     }
     let verify = a.verify || a.repair;
     let r = doctor(&a.model, verify, &Bars::new())?;

@@ -299,6 +299,7 @@ pub enum LogitRows {
 
 /// Options of one generation.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct GenerateOptions {
     /// Most new tokens.
     pub max_new: usize,
@@ -333,6 +334,23 @@ pub struct Step<'a> {
     pub id: u32,
     /// Logits over the vocabulary that produced `id` (for logprobs).
     pub logits: &'a [f32],
+}
+
+impl GenerateOptions {
+    /// At most `max_new` new tokens, no stop ids, no cancel flag.
+    pub fn new(max_new: usize) -> GenerateOptions {
+        GenerateOptions { max_new, ..Default::default() }
+    }
+    /// Ids that end generation (emitted, then stop).
+    pub fn stop_ids(mut self, ids: Vec<u32>) -> GenerateOptions {
+        self.stop_ids = ids;
+        self
+    }
+    /// A flag that stops the generation once set.
+    pub fn cancel(mut self, cancel: Cancel) -> GenerateOptions {
+        self.cancel = Some(cancel);
+        self
+    }
 }
 
 impl Default for GenerateOptions {

@@ -1,5 +1,5 @@
-//! The Deltafin engine: the loop that runs Kimi K3 over streamed experts, and the stable API
-//! the CLI, the server and embedders use.
+//! The Deltafin engine: the step that runs Kimi K3 over streamed experts for a set of sequences,
+//! and generation on top of it. Front ends use it through the `deltafin` crate.
 //!
 //! Open a model with [`EngineBuilder`], make a [`Sequence`], and call [`Engine::generate`]:
 //!
@@ -8,7 +8,7 @@
 //! let model = EngineBuilder::new("models/small").open()?;
 //! let prompt = model.tokenizer().encode_ordinary("The quick brown fox");
 //! let mut seq = model.new_sequence();
-//! let opts = GenerateOptions { max_new: 16, stop_ids: vec![], ..Default::default() };
+//! let opts = GenerateOptions::new(16);
 //! let stats = model.engine().generate(&mut seq, &prompt, &opts, |id| {
 //!     print!("{}", model.tokenizer().decode(&[id]));
 //!     true

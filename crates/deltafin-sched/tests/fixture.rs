@@ -56,7 +56,7 @@ fn greedy_generation_matches_reference_ids() {
     let want = ids(&r["greedy_token_ids"]);
     let mut got = Vec::new();
     let mut seq = model.new_sequence();
-    let opts = GenerateOptions { max_new: want.len(), stop_ids: vec![], ..Default::default() };
+    let opts = GenerateOptions::new(want.len());
     model
         .engine()
         .generate(&mut seq, &prompt, &opts, |id| {

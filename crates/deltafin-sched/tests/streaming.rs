@@ -17,7 +17,7 @@ const NEW: usize = 12;
 fn generate(model: &LoadedModel, on_token: &mut dyn FnMut(usize)) -> Result<Vec<u32>, deltafin_sched::Error> {
     let mut out = Vec::new();
     let mut seq = model.new_sequence();
-    model.engine().generate(&mut seq, PROMPT, &GenerateOptions { max_new: NEW, stop_ids: vec![], ..Default::default() }, |id| {
+    model.engine().generate(&mut seq, PROMPT, &GenerateOptions::new(NEW), |id| {
         out.push(id);
         on_token(out.len());
         true
@@ -36,7 +36,7 @@ fn make_store(dir: &Path, homes: usize, copies: usize, layout: ExpertLayoutKind)
         std::fs::create_dir_all(h).unwrap();
     }
     let homes = if layout == ExpertLayoutKind::InPlace { Vec::new() } else { homes };
-    setup(&SetupOptions { source: fixture(), out: out.clone(), homes, layout, copies, reinstall: false }, &NoProgress).unwrap();
+    setup(&SetupOptions::new(fixture(), &out).homes(homes).layout(layout).copies(copies), &NoProgress).unwrap();
     out
 }
 

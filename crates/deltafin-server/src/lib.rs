@@ -25,8 +25,8 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use deltafin_core::Tokenizer;
-use deltafin_sched::{Cancel, LoadedModel, Stats};
+use deltafin::Tokenizer;
+use deltafin::{Cancel, LoadedModel, Stats};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::unbounded_channel;
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use deltafin_sched::Stats;
+use deltafin::Stats;
 
 #[derive(Default)]
 pub struct Metrics {

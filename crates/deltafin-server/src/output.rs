@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use deltafin_core::Tokenizer;
-use deltafin_sched::LoadedModel;
+use deltafin::LoadedModel;
+use deltafin::Tokenizer;
 use serde_json::{json, Value};
 
 /// Which field a piece of text belongs to.

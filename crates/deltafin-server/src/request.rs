@@ -4,7 +4,7 @@
 
 use serde_json::{Map, Value};
 
-use deltafin_core::{Message, Role};
+use deltafin::{Message, Role};
 
 /// An OpenAI-shaped client error.
 #[derive(Debug, Clone, PartialEq)]

@@ -9,7 +9,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
-use deltafin_sched::{Cancel, Error as EngineError, GenerateOptions, LoadedModel, Sequence, Stats};
+use deltafin::{Cancel, Error as EngineError, GenerateOptions, LoadedModel, Sequence, Stats};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
@@ -123,13 +123,13 @@ fn run(model: &LoadedModel, kept: &mut Kept, job: Job, metrics: &Metrics) {
     };
     let cached = seq.ids().len();
     let _ = job.events.send(Event::Started { cached_tokens: cached });
-    let opts = GenerateOptions { max_new: job.max_tokens, stop_ids: job.stop_ids.clone(), cancel: Some(job.cancel.clone()) };
+    let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone());
     // Run all but the last prompt token first and keep a copy there; the split does not change a
     // bit of the output (the kernels are batch-invariant).
     let t0 = std::time::Instant::now();
     let body = &job.prompt[cached..job.prompt.len() - 1];
     if !body.is_empty() {
-        if let Err(e) = model.engine().forward_with(&mut seq, body, deltafin_sched::LogitRows::Last, Some(&job.cancel)) {
+        if let Err(e) = model.engine().forward_with(&mut seq, body, deltafin::LogitRows::Last, Some(&job.cancel)) {
             if !matches!(e, EngineError::Cancelled) {
                 let _ = job.events.send(Event::Failed(e.to_string()));
             }

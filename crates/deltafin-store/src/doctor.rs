@@ -14,6 +14,7 @@ use crate::setup::{ExpertLayoutKind, Progress, SetupOptions};
 
 /// What doctor found.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct DoctorReport {
     pub experts_checked: usize,
     pub copies_checked: usize,
@@ -242,13 +243,9 @@ pub fn repair(dir: &Path, progress: &dyn Progress) -> Result<Manifest> {
             ),
         ));
     }
-    let opts = SetupOptions {
-        source: rec.source.clone(),
-        out: dir.to_path_buf(),
-        homes: rec.homes.clone(),
-        layout: if rec.layout == crate::manifest::LAYOUT_IN_PLACE { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs },
-        copies: rec.copies,
-        reinstall: false,
-    };
+    let opts = SetupOptions::new(&rec.source, dir)
+        .homes(rec.homes.clone())
+        .layout(if rec.layout == crate::manifest::LAYOUT_IN_PLACE { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs })
+        .copies(rec.copies);
     crate::setup::setup(&opts, progress)
 }

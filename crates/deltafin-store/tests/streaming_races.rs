@@ -21,11 +21,7 @@ fn make_store(dir: &Path, homes: usize) -> PathBuf {
         std::fs::create_dir_all(h).unwrap();
     }
     let copies = homes.len();
-    setup(
-        &SetupOptions { source: fixture(), out: out.clone(), homes, layout: ExpertLayoutKind::Packs, copies, reinstall: false },
-        &NoProgress,
-    )
-    .unwrap();
+    setup(&SetupOptions::new(fixture(), &out).homes(homes).layout(ExpertLayoutKind::Packs).copies(copies), &NoProgress).unwrap();
     out
 }
 

@@ -35,11 +35,10 @@ pub fn generate(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize) -> Re
         .open()?;
     let mut ids = Vec::new();
     let mut seq = model.new_sequence();
-    let stats =
-        model.engine().generate(&mut seq, prompt, &GenerateOptions { max_new: new, stop_ids: vec![], ..Default::default() }, |id| {
-            ids.push(id);
-            true
-        })?;
+    let stats = model.engine().generate(&mut seq, prompt, &GenerateOptions::new(new), |id| {
+        ids.push(id);
+        true
+    })?;
     Ok((ids, stats))
 }
 
@@ -49,7 +48,7 @@ pub fn in_ram(ckpt: &Path, prompt: &[u32], new: usize) -> Result<Stats> {
     let model = EngineBuilder::new(ckpt).context(prompt.len() + new + 8).open()?;
     let run = || {
         let mut seq = model.new_sequence();
-        model.engine().generate(&mut seq, prompt, &GenerateOptions { max_new: new, ..Default::default() }, |_| true)
+        model.engine().generate(&mut seq, prompt, &GenerateOptions::new(new), |_| true)
     };
     run()?;
     Ok(run()?)

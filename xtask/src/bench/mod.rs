@@ -42,17 +42,7 @@ fn ensure_model(preset: &str) -> Result<(PathBuf, PathBuf)> {
     }
     let store = models.join(format!("{preset}-store"));
     if deltafin_store::Manifest::read(&store).is_err() {
-        deltafin_store::setup(
-            &deltafin_store::SetupOptions {
-                source: ckpt.clone(),
-                out: store.clone(),
-                homes: vec![],
-                layout: deltafin_store::ExpertLayoutKind::Packs,
-                copies: 1,
-                reinstall: false,
-            },
-            &deltafin_store::NoProgress,
-        )?;
+        deltafin_store::setup(&deltafin_store::SetupOptions::new(&ckpt, &store), &deltafin_store::NoProgress)?;
     }
     Ok((ckpt, store))
 }

@@ -111,6 +111,7 @@ pub enum ExpertLayoutKind {
 
 /// What to install and where.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct SetupOptions {
     pub source: PathBuf,
     pub out: PathBuf,
@@ -135,6 +136,26 @@ impl SetupOptions {
             copies: 1,
             reinstall: false,
         }
+    }
+    /// Folders on the drives to hold experts, one per drive (default: the store folder).
+    pub fn homes(mut self, homes: Vec<PathBuf>) -> SetupOptions {
+        self.homes = homes;
+        self
+    }
+    /// Copied packs or in place.
+    pub fn layout(mut self, layout: ExpertLayoutKind) -> SetupOptions {
+        self.layout = layout;
+        self
+    }
+    /// How many homes hold each expert.
+    pub fn copies(mut self, copies: usize) -> SetupOptions {
+        self.copies = copies;
+        self
+    }
+    /// Replace whatever the store holds instead of refusing.
+    pub fn reinstall(mut self, on: bool) -> SetupOptions {
+        self.reinstall = on;
+        self
     }
 }
 

@@ -1,0 +1,89 @@
+//! Deltafin runs the full, unmodified Kimi K3 on one machine, streaming its experts from SSDs,
+//! and decides every token exactly (greedy, reproducible, weight-exact). This crate is its stable
+//! API: the CLI, the server, the examples and embedders use it and nothing beneath it.
+//!
+//! ```no_run
+//! use deltafin::{EngineBuilder, GenerateOptions};
+//! let model = EngineBuilder::new("models/small").open()?;
+//! let prompt = model.tokenizer().encode_ordinary("The quick brown fox");
+//! let mut seq = model.new_sequence();
+//! let stats = model.engine().generate(&mut seq, &prompt, &GenerateOptions::new(16), |id| {
+//!     print!("{}", model.tokenizer().decode(&[id]));
+//!     true
+//! })?;
+//! eprintln!("{}", stats.summary());
+//! # Ok::<(), deltafin::Error>(())
+//! ```
+//!
+//! What is here:
+//! - Opening and generating: [`EngineBuilder`] opens a checkpoint folder or a store into a
+//!   [`LoadedModel`]; its [`Engine`] runs [`Engine::generate`] or, one forward pass over several
+//!   sequences at a time, [`Engine::step`] with [`Slot`]s.
+//! - Text: K3's [`Tokenizer`] and its chat format ([`ChatFormat`], [`Message`], [`Role`]).
+//! - Stores: [`setup`] installs a checkpoint over drives, [`doctor`] checks one, [`repair`] fixes one.
+//!
+//! Types that may gain fields or variants are `#[non_exhaustive]`; options are built with
+//! methods taking plain values.
+#![deny(missing_docs)]
+
+use std::path::Path;
+
+pub use deltafin_core::{reserved_token_name, ChatFormat, Mat, Message, Role, Tokenizer, RESERVED};
+pub use deltafin_sched::{
+    argmax, CacheMode, CachePolicy, Cancel, Engine, EngineBuilder, Error, GenerateOptions, LoadedModel, LogitRows, MemoryPlan, Phase,
+    Result, Sequence, Slot, Stats, Step, StepOutput, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
+};
+pub use deltafin_store::{DoctorReport, ExpertLayoutKind, NoProgress, Progress, SetupOptions, DEFAULT_SPLIT_MIN};
+
+/// What a store holds, as [`setup`] and [`repair`] leave it.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct StoreInfo {
+    /// Bytes of the spine (held in RAM when running).
+    pub spine_bytes: u64,
+    /// Routed experts installed.
+    pub experts: usize,
+    /// Bytes of one copy of every expert.
+    pub expert_bytes: u64,
+    /// Drives (homes) holding experts.
+    pub homes: usize,
+    /// `packs` or `in-place`.
+    pub layout: String,
+    /// Hash over the checksum of every installed byte: the identity of the weights.
+    pub content_id: String,
+}
+
+impl StoreInfo {
+    fn of(m: &deltafin_store::Manifest) -> StoreInfo {
+        StoreInfo {
+            spine_bytes: m.spine_bytes,
+            experts: m.experts.len(),
+            expert_bytes: m.experts.iter().map(|e| e.len).sum(),
+            homes: m.homes.len(),
+            layout: m.layout.clone(),
+            content_id: m.content_id.clone(),
+        }
+    }
+}
+
+/// Installs a checkpoint into a store (or resumes, or repairs, an earlier install of the same
+/// checkpoint with the same options).
+pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<StoreInfo> {
+    Ok(StoreInfo::of(&deltafin_store::setup(opts, progress)?))
+}
+
+/// Checks a store: structure, files and sizes; with `verify`, every byte against its checksum.
+pub fn doctor(store: &Path, verify: bool, progress: &dyn Progress) -> Result<DoctorReport> {
+    Ok(deltafin_store::doctor(store, verify, progress)?)
+}
+
+/// Repairs a store by re-running its setup as recorded: everything is read back and whatever is
+/// damaged is rewritten from the checkpoint.
+pub fn repair(store: &Path, progress: &dyn Progress) -> Result<StoreInfo> {
+    Ok(StoreInfo::of(&deltafin_store::repair(store, progress)?))
+}
+
+/// Whether `dir` is a store made by [`setup`] (finished or not) rather than a checkpoint folder.
+pub fn is_store(dir: &Path) -> bool {
+    deltafin_store::Store::is_store(dir)
+}
