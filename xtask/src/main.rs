@@ -49,6 +49,9 @@ enum Cmd {
         /// `cgroup` (the kernel's throttle banks short idle, which the reader's clock does not).
         #[arg(long, value_enum, default_value = "auto")]
         limiter: xtask::bench::Limiter,
+        /// `ab` only: the revision to compare this tree against.
+        #[arg(long)]
+        base: Option<String>,
     },
     /// Run the kernel and fixture tests for aarch64 under qemu (NEON), needs Debian's
     /// qemu-user, gcc-aarch64-linux-gnu and `rustup target add aarch64-unknown-linux-gnu`.
@@ -78,7 +81,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::GenK3 { preset, seed, out } => xtask::gen_k3::generate(&preset, seed, &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
-        Cmd::Bench { which, quick, json, limiter } => xtask::bench::run(which, quick, json.as_deref(), limiter),
+        Cmd::Bench { which, quick, json, limiter, base } => xtask::bench::run(which, quick, json.as_deref(), limiter, base.as_deref()),
         Cmd::TestAarch64 => {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             for (pkg, extra) in [("deltafin-core", vec![]), ("deltafin-sched", vec!["--test", "fixture"])] {

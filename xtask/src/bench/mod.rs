@@ -5,6 +5,7 @@
 //! Ratios are measured within one run (the disk changes speed minute to minute); repeated
 //! configurations report min / median / max.
 
+mod ab;
 mod capped;
 mod device;
 mod engine_runs;
@@ -26,6 +27,8 @@ pub enum Which {
     Decode,
     Prefill,
     Ladder,
+    /// This tree against `--base REV` (not part of `all`).
+    Ab,
     All,
 }
 
@@ -150,12 +153,16 @@ fn decode_json(d: &[engine_runs::DecodeResult], compute_step: f64) -> serde_json
 }
 
 /// Runs `which` and updates the report.
-pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::Limiter) -> Result<()> {
+pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::Limiter, base: Option<&str>) -> Result<()> {
     let docs = root().join("docs");
     let bench_dir = docs.join("bench");
     std::fs::create_dir_all(&bench_dir)?;
     let q = if quick { " --quick" } else { "" };
     let mut json = serde_json::Map::new();
+    if which == Which::Ab {
+        let base = base.context("`bench ab` needs --base REV (a commit to compare against)")?;
+        std::fs::write(bench_dir.join("ab.md"), ab::run(base, quick)?)?;
+    }
     let budget: u64 = 1_500_000_000;
     let need_slice = matches!(which, Which::Device | Which::Decode | Which::Prefill | Which::All);
     let (ckpt, store) = if need_slice { ensure_model("slice")? } else { (PathBuf::new(), PathBuf::new()) };
@@ -317,7 +324,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
     }
     // Assemble the report from whatever sections exist.
     let mut report = String::from("# Benchmarks\n\nEvery number below was produced by the command shown beside it (`cargo xtask bench ...`) on the development machine (2 Zen 5 cores, one noisy virtio disk; see `shared/BENCH-MACHINE.md`). Compare ratios within one section: the disk changes speed from minute to minute.\n\n");
-    for s in ["device", "decode", "decode-capped", "decode-capped-kernel", "decode-runs", "prefill", "ladder", "ladder-reader"] {
+    for s in ["device", "decode", "decode-capped", "decode-capped-kernel", "decode-runs", "prefill", "ladder", "ladder-reader", "ab"] {
         if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
             report += &t;
             report.push('\n');
