@@ -8,7 +8,26 @@
 
 use std::io::Write;
 
-use deltafin::{EngineBuilder, GenerateOptions, Message, Role};
+use deltafin::{EngineBuilder, GenerateOptions, Generator, Message, Output, Role, Stats, Step, StreamDecoder};
+
+/// Streams the reply to stdout as complete UTF-8 arrives, and prints the stats at the end.
+struct Printer<'t> {
+    text: Option<StreamDecoder<'t>>,
+}
+
+impl Output for Printer<'_> {
+    fn token(&mut self, step: Step<'_>) -> bool {
+        if let Some(t) = &mut self.text {
+            print!("{}", t.push(step.id));
+        }
+        let _ = std::io::stdout().flush();
+        true
+    }
+    fn finish(&mut self, stats: &Stats) {
+        println!("{}", self.text.take().map(|t| t.finish()).unwrap_or_default());
+        eprintln!("{}", stats.summary());
+    }
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -23,16 +42,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ids = chat.render(&[Message::new(Role::System, "You are concise."), Message::new(Role::User, prompt)], Some("low"))?;
     let opts = GenerateOptions::new(32).stop_ids(chat.stop_ids());
 
-    // Generate greedily, streaming complete UTF-8 as it arrives.
-    let mut seq = model.new_sequence();
-    let mut text = model.tokenizer().stream();
-    let mut out = std::io::stdout();
-    let stats = model.engine().generate(&mut seq, &ids, &opts, |id| {
-        let _ = write!(out, "{}", text.push(id));
-        let _ = out.flush();
-        true
-    })?;
-    println!("{}", text.finish());
-    eprintln!("{}", stats.summary());
+    // Generate greedily; a generator keeps the state for the next turn of the conversation.
+    let mut generator = Generator::new(&model);
+    generator.generate(&ids, &opts, &mut Printer { text: Some(model.tokenizer().stream()) })?;
     Ok(())
 }

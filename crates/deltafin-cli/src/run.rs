@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use deltafin::{EngineBuilder, GenerateOptions, LoadedModel, LogitRows};
+use deltafin::{EngineBuilder, GenerateOptions, Generator, LoadedModel, LogitRows, OnToken, Step};
 use deltafin::{Message, Role};
 
 /// Options shared by every command that opens a model.
@@ -123,22 +123,26 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     let stop_ids = if a.chat { model.chat()?.stop_ids() } else { Vec::new() };
     let opts = GenerateOptions::new(a.max_new).stop_ids(stop_ids);
-    let mut seq = model.new_sequence();
     let mut out = std::io::stdout().lock();
     let mut dec = model.tokenizer().stream();
     let mut ids = Vec::new();
     let mut write_err = None;
-    let stats = model.engine().generate(&mut seq, &prompt, &opts, |id| {
-        ids.push(id);
-        if !a.print_ids {
-            let piece = dec.push(id);
-            if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-                write_err = Some(e);
-                return false;
+    let stats = Generator::new(&model).generate(
+        &prompt,
+        &opts,
+        &mut OnToken(|s: Step<'_>| {
+            let id = s.id;
+            ids.push(id);
+            if !a.print_ids {
+                let piece = dec.push(id);
+                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                    write_err = Some(e);
+                    return false;
+                }
             }
-        }
-        true
-    })?;
+            true
+        }),
+    )?;
     if let Some(e) = write_err {
         if e.kind() != std::io::ErrorKind::BrokenPipe {
             return Err(e.into());

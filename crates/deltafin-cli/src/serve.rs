@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use clap::Args;
-use deltafin::{Cancel, GenerateOptions};
+use deltafin::{Cancel, GenerateOptions, Generator, OnToken, Step};
 use deltafin::{Message, Role};
 
 use crate::run::ModelArgs;
@@ -79,7 +79,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))?;
     eprintln!("{HELP}");
     let mut history: Vec<Message> = a.system.iter().map(|s| Message::new(Role::System, s.clone())).collect();
-    let mut seq = model.new_sequence();
+    let mut generator = Generator::new(&model);
     let mut last_stats = None;
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
@@ -108,7 +108,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
             "/quit" | "/exit" => return Ok(()),
             "/reset" => {
                 history.retain(|m| m.role == Role::System);
-                seq = model.new_sequence();
+                generator.reset();
                 eprintln!("(new conversation)");
                 continue;
             }
@@ -127,38 +127,36 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         }
         history.push(Message::new(Role::User, input));
         let ids = chat.render(&history, None)?;
-        // Resume from the kept state when the new prompt extends it (it does in a chat).
-        if !(ids.starts_with(seq.ids()) && ids.len() > seq.ids().len()) {
-            seq = model.new_sequence();
-        }
-        let cached = seq.ids().len();
         let cancel = Cancel::new();
         let opts = GenerateOptions::new(a.max_new).stop_ids(chat.stop_ids()).cancel(cancel.clone());
         let mut reply_ids = Vec::new();
         let mut dec = model.tokenizer().stream();
         let mut out = std::io::stdout();
-        let result = model.engine().generate(&mut seq, &ids[cached..], &opts, |id| {
-            reply_ids.push(id);
-            if !model.tokenizer().is_special(id) {
-                let _ = write!(out, "{}", dec.push(id));
-                let _ = out.flush();
-            }
-            if interrupted.load(Ordering::SeqCst) {
-                cancel.cancel();
-                return false;
-            }
-            true
-        });
+        // The generator resumes from the kept state where the new prompt extends it.
+        let result = generator.generate(
+            &ids,
+            &opts,
+            &mut OnToken(|s: Step<'_>| {
+                let id = s.id;
+                reply_ids.push(id);
+                if !model.tokenizer().is_special(id) {
+                    let _ = write!(out, "{}", dec.push(id));
+                    let _ = out.flush();
+                }
+                if interrupted.load(Ordering::SeqCst) {
+                    cancel.cancel();
+                    return false;
+                }
+                true
+            }),
+        );
         println!("{}", dec.finish());
         match result {
             Ok(stats) => last_stats = Some(stats),
-            Err(deltafin::Error::Cancelled) => {
-                eprintln!("(stopped)");
-                seq = model.new_sequence();
-            }
+            Err(deltafin::Error::Cancelled) => eprintln!("(stopped)"),
             Err(e) => {
                 eprintln!("error: {e}");
-                seq = model.new_sequence();
+                generator.reset();
             }
         }
         if interrupted.load(Ordering::SeqCst) {

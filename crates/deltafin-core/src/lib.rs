@@ -39,6 +39,6 @@ pub use crate::{
         LM_PREFIX,
     },
     tensor::Mat,
-    tokenizer::{reserved_token_name, HfTokenizer, Tokenizer, K3_PATTERN, RESERVED},
+    tokenizer::{reserved_token_name, HfTokenizer, StreamDecoder, Tokenizer, K3_PATTERN, RESERVED},
     weights::{bf16_to_f32, Bf16Matrix, ByteOwner, Bytes, DType, TensorBytes, TensorSource},
 };

@@ -24,6 +24,7 @@
 
 mod engine;
 mod error;
+mod generator;
 mod open;
 mod sequence;
 mod stats;
@@ -35,6 +36,7 @@ pub use deltafin_store::{CacheMode, CachePolicy};
 pub use crate::{
     engine::{Cancel, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows, Step},
     error::{Error, Result},
+    generator::{Generator, OnToken, Output},
     open::{EngineBuilder, LoadedModel, MemoryPlan, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT},
     sequence::Sequence,
     stats::{peak_rss_bytes, Stats},

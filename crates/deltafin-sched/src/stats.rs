@@ -48,6 +48,8 @@ pub struct Stats {
     pub peak_rss_bytes: u64,
     /// Generation ended because the sequence reached its context limit (not `max_new`).
     pub context_limit_reached: bool,
+    /// Leading prompt tokens reused from state a [`crate::Generator`] kept (not run again).
+    pub cached_tokens: usize,
 }
 
 fn ser_homes<S: serde::Serializer>(v: &[HomeStats], s: S) -> std::result::Result<S::Ok, S::Error> {

@@ -1,15 +1,14 @@
 //! The one engine thread: generations run one at a time, in arrival order, from a bounded queue.
 //!
-//! The worker keeps the sequence state of the last generation; when a new prompt extends the
-//! tokens that state has consumed (the usual chat follow-up), only the new tokens are run. The
-//! engine's kernels are batch-invariant, so the continuation is bit-identical to a cold run
+//! The worker's [`Generator`] keeps the state of the last generation; when a new prompt extends
+//! it (the usual chat follow-up), only the new tokens are run, bit-identical to a cold run
 //! (tested). A panic inside a generation is caught: the client gets an error, the server lives.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
-use deltafin::{Cancel, Error as EngineError, GenerateOptions, LoadedModel, Sequence, Stats};
+use deltafin::{Cancel, Error as EngineError, GenerateOptions, Generator, LoadedModel, Output, Stats, Step};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
@@ -74,7 +73,7 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, metrics: Arc<Metrics>) -
     std::thread::Builder::new()
         .name("deltafin-engine".into())
         .spawn(move || {
-            let mut kept = Kept::default();
+            let mut generator = Generator::new(&model);
             while let Ok(job) = rx.recv() {
                 d.fetch_sub(1, Ordering::AcqRel);
                 if job.cancel.is_cancelled() || job.events.is_closed() {
@@ -82,9 +81,9 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, metrics: Arc<Metrics>) -
                     continue;
                 }
                 let events = job.events.clone();
-                let result = std::panic::catch_unwind(AssertUnwindSafe(|| run(&model, &mut kept, job, &metrics)));
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| run(&mut generator, job, &metrics)));
                 if result.is_err() {
-                    kept = Kept::default();
+                    generator.reset();
                     metrics.panics.fetch_add(1, Ordering::Relaxed);
                     let _ = events.send(Event::Failed("internal error: the generation panicked; the server is still running".into()));
                 }
@@ -94,76 +93,47 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, metrics: Arc<Metrics>) -
     Queue { tx, depth }
 }
 
-/// What the worker keeps between generations: the full sequence of the last one, and a copy
-/// taken right after its prompt (a chat follow-up always extends the prompt; it rarely extends
-/// the generated tokens exactly, since the reply is re-rendered and re-tokenized).
-#[derive(Default)]
-pub struct Kept {
-    full: Option<Sequence>,
-    prompt: Option<Sequence>,
+/// Reports a generation's progress to its client as events.
+struct JobOutput<'j> {
+    job: &'j Job,
+    last: Option<u32>,
 }
 
-fn extends(s: &Sequence, prompt: &[u32], max_tokens: usize) -> bool {
-    s.ids().len() < prompt.len() && prompt.starts_with(s.ids()) && prompt.len() + max_tokens <= s.context_limit()
+impl Output for JobOutput<'_> {
+    fn begin(&mut self, cached_tokens: usize) {
+        let _ = self.job.events.send(Event::Started { cached_tokens });
+    }
+    fn token(&mut self, step: Step<'_>) -> bool {
+        self.last = Some(step.id);
+        let (logprob, top) = match self.job.logprobs {
+            Some(k) => logprobs(step.logits, step.id, k),
+            None => (None, vec![]),
+        };
+        self.job.events.send(Event::Token { id: step.id, logprob, top }).is_ok() && !self.job.cancel.is_cancelled()
+    }
 }
 
-fn run(model: &LoadedModel, kept: &mut Kept, job: Job, metrics: &Metrics) {
+fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
     // Fault injection for the test that a panicking generation leaves the server up.
     if let Some(id) = std::env::var("DELTAFIN_FAULT_PANIC_ON_TOKEN").ok().and_then(|v| v.parse::<u32>().ok()) {
         if job.prompt.contains(&id) {
             panic!("injected fault: prompt contains token {id}");
         }
     }
-    let full = kept.full.take();
-    let snap = kept.prompt.take();
-    let mut seq = match (full, snap) {
-        (Some(f), _) if extends(&f, &job.prompt, job.max_tokens) => f,
-        (_, Some(p)) if extends(&p, &job.prompt, job.max_tokens) => p,
-        _ => model.new_sequence(),
-    };
-    let cached = seq.ids().len();
-    let _ = job.events.send(Event::Started { cached_tokens: cached });
     let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone());
-    // Run all but the last prompt token first and keep a copy there; the split does not change a
-    // bit of the output (the kernels are batch-invariant).
-    let t0 = std::time::Instant::now();
-    let body = &job.prompt[cached..job.prompt.len() - 1];
-    if !body.is_empty() {
-        if let Err(e) = model.engine().forward_with(&mut seq, body, deltafin::LogitRows::Last, Some(&job.cancel)) {
-            if !matches!(e, EngineError::Cancelled) {
-                let _ = job.events.send(Event::Failed(e.to_string()));
-            }
-            return;
-        }
-    }
-    let body_secs = t0.elapsed().as_secs_f64();
-    let snapshot = seq.clone();
-    let mut last = None;
-    let result = model.engine().generate_with(&mut seq, &job.prompt[job.prompt.len() - 1..], &opts, |step| {
-        last = Some(step.id);
-        let (logprob, top) = match job.logprobs {
-            Some(k) => logprobs(step.logits, step.id, k),
-            None => (None, vec![]),
-        };
-        job.events.send(Event::Token { id: step.id, logprob, top }).is_ok() && !job.cancel.is_cancelled()
-    });
-    kept.prompt = Some(snapshot);
-    match result {
-        Ok(mut stats) => {
+    let mut out = JobOutput { job: &job, last: None };
+    match generator.generate(&job.prompt, &opts, &mut out) {
+        Ok(stats) => {
             if job.events.is_closed() {
                 metrics.cancelled.fetch_add(1, Ordering::Relaxed);
             }
-            stats.prompt_tokens = job.prompt.len() - cached;
-            stats.ttft_s += body_secs;
-            stats.total_s += body_secs;
-            metrics.record(&stats, cached);
-            let hit_stop_id = last.is_some_and(|id| job.stop_ids.contains(&id));
-            let _ = job.events.send(Event::Done { stats: Box::new(stats), cached_tokens: cached, hit_stop_id });
-            kept.full = Some(seq);
+            metrics.record(&stats, stats.cached_tokens);
+            let hit_stop_id = out.last.is_some_and(|id| job.stop_ids.contains(&id));
+            let cached_tokens = stats.cached_tokens;
+            let _ = job.events.send(Event::Done { stats: Box::new(stats), cached_tokens, hit_stop_id });
         }
         Err(EngineError::Cancelled) => {
             metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-            kept.full = Some(seq);
         }
         Err(e) => {
             let _ = job.events.send(Event::Failed(e.to_string()));

@@ -17,8 +17,9 @@
 //!
 //! What is here:
 //! - Opening and generating: [`EngineBuilder`] opens a checkpoint folder or a store into a
-//!   [`LoadedModel`]; its [`Engine`] runs [`Engine::generate`] or, one forward pass over several
-//!   sequences at a time, [`Engine::step`] with [`Slot`]s.
+//!   [`LoadedModel`]; a [`Generator`] generates over it, reusing the state of earlier turns, and
+//!   reports through an [`Output`]; its [`Engine`] runs one forward pass over several sequences at
+//!   a time ([`Engine::step`] with [`Slot`]s).
 //! - Text: K3's [`Tokenizer`] and its chat format ([`ChatFormat`], [`Message`], [`Role`]).
 //! - Stores: [`setup`] installs a checkpoint over drives, [`doctor`] checks one, [`repair`] fixes one.
 //!
@@ -28,10 +29,10 @@
 
 use std::path::Path;
 
-pub use deltafin_core::{reserved_token_name, ChatFormat, Mat, Message, Role, Tokenizer, RESERVED};
+pub use deltafin_core::{reserved_token_name, ChatFormat, Mat, Message, Role, StreamDecoder, Tokenizer, RESERVED};
 pub use deltafin_sched::{
-    argmax, CacheMode, CachePolicy, Cancel, Engine, EngineBuilder, Error, GenerateOptions, LoadedModel, LogitRows, MemoryPlan, Phase,
-    Result, Sequence, Slot, Stats, Step, StepOutput, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
+    argmax, CacheMode, CachePolicy, Cancel, Engine, EngineBuilder, Error, GenerateOptions, Generator, LoadedModel, LogitRows, MemoryPlan,
+    OnToken, Output, Phase, Result, Sequence, Slot, Stats, Step, StepOutput, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
 };
 pub use deltafin_store::{DoctorReport, ExpertLayoutKind, NoProgress, Progress, SetupOptions, DEFAULT_SPLIT_MIN};
 

@@ -117,8 +117,7 @@ pub fn run(base: &str, quick: bool) -> Result<String> {
     );
     for (ci, c) in CONFIGS.iter().enumerate() {
         let [b, h] = &results[ci];
-        let ratios: Vec<f64> =
-            b.iter().zip(h).map(|(b, h)| if c.stat == "ttft_s" { b / h } else { h / b }).collect();
+        let ratios: Vec<f64> = b.iter().zip(h).map(|(b, h)| if c.stat == "ttft_s" { b / h } else { h / b }).collect();
         let (ra, rb, rc) = engine_runs::spread(&ratios);
         let unit = if c.stat == "ttft_s" { "s TTFT" } else { "tok/s" };
         md += &format!(

@@ -1,0 +1,106 @@
+//! Generation on top of the engine step: a [`Generator`] owns the state kept between
+//! generations (the prefix cache), stop conditions, `max_new` and stats, and reports through
+//! one [`Output`] trait that the CLI, the server and embedders share.
+//!
+//! **Prefix reuse.** The generator keeps the sequence of its last generation and a copy taken
+//! right after that generation's prompt. A new prompt that extends either (a chat follow-up
+//! extends the prompt; it rarely extends the generated tokens exactly, since replies are
+//! re-rendered) runs only its new tokens. The kernels are batch-invariant, so the continuation is
+//! bit-identical to a cold run.
+
+use std::time::Instant;
+
+use crate::engine::{GenerateOptions, LogitRows, Step};
+use crate::error::{Error, Result};
+use crate::open::LoadedModel;
+use crate::sequence::Sequence;
+use crate::stats::Stats;
+
+/// Receives what a generation produces.
+pub trait Output {
+    /// The prompt is about to run; its first `cached_tokens` were reused from kept state.
+    fn begin(&mut self, cached_tokens: usize) {
+        let _ = cached_tokens;
+    }
+    /// One new token and the logits it was chosen from; `false` stops the generation after it.
+    fn token(&mut self, step: Step<'_>) -> bool;
+    /// The generation ended (not called when it fails).
+    fn finish(&mut self, stats: &Stats) {
+        let _ = stats;
+    }
+}
+
+/// An [`Output`] made of a closure over each token.
+pub struct OnToken<F>(pub F);
+
+impl<F: FnMut(Step<'_>) -> bool> Output for OnToken<F> {
+    fn token(&mut self, step: Step<'_>) -> bool {
+        (self.0)(step)
+    }
+}
+
+/// Greedy generation with a prefix cache over one model.
+pub struct Generator<'m> {
+    model: &'m LoadedModel,
+    /// The sequence of the last generation, and a copy taken right after its prompt.
+    full: Option<Sequence>,
+    after_prompt: Option<Sequence>,
+}
+
+impl<'m> Generator<'m> {
+    /// A generator with nothing kept.
+    pub fn new(model: &'m LoadedModel) -> Generator<'m> {
+        Generator { model, full: None, after_prompt: None }
+    }
+
+    /// Forgets the kept state (a new conversation).
+    pub fn reset(&mut self) {
+        self.full = None;
+        self.after_prompt = None;
+    }
+
+    /// Generates greedily after `prompt` (the whole conversation so far), reusing kept state
+    /// where `prompt` extends it. Ends at a stop id, after `opts.max_new` tokens, at the context
+    /// limit, when `out` says so, or with [`Error::Cancelled`] once `opts.cancel` is set.
+    pub fn generate(&mut self, prompt: &[u32], opts: &GenerateOptions, out: &mut dyn Output) -> Result<Stats> {
+        let Some((&last, body)) = prompt.split_last() else {
+            return Err(Error::Invalid("the prompt is empty".into()));
+        };
+        let extends =
+            |s: &Sequence| s.ids().len() < prompt.len() && prompt.starts_with(s.ids()) && prompt.len() + opts.max_new <= s.context_limit();
+        let mut seq = match (self.full.take(), self.after_prompt.take()) {
+            (Some(f), _) if extends(&f) => f,
+            (_, Some(p)) if extends(&p) => p,
+            _ => self.model.new_sequence(),
+        };
+        let cached = seq.ids().len();
+        out.begin(cached);
+        // All but the last prompt token first, and a copy kept there: the next prompt of a chat
+        // extends this one. The split changes no bit of the output (batch-invariant kernels).
+        let t0 = Instant::now();
+        if body.len() > cached {
+            self.model.engine().forward_with(&mut seq, &body[cached..], LogitRows::Last, opts.cancel.as_ref())?;
+        }
+        let body_secs = t0.elapsed().as_secs_f64();
+        self.after_prompt = Some(seq.clone());
+        let result = self.model.engine().generate_with(&mut seq, &[last], opts, |s| out.token(s));
+        match result {
+            Ok(mut stats) => {
+                stats.prompt_tokens = prompt.len() - cached;
+                stats.cached_tokens = cached;
+                stats.ttft_s += body_secs;
+                stats.total_s += body_secs;
+                self.full = Some(seq);
+                out.finish(&stats);
+                Ok(stats)
+            }
+            Err(e) => {
+                // A cancelled step is undone, so the sequence is still whole and reusable.
+                if matches!(e, Error::Cancelled) {
+                    self.full = Some(seq);
+                }
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! The generator: a follow-up prompt that extends the last one reuses the kept state and gives
+//! the ids a cold run gives; the output trait sees begin, every token and finish.
+
+use std::path::PathBuf;
+
+use deltafin_sched::{EngineBuilder, GenerateOptions, Generator, Output, Stats, Step};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
+}
+
+#[derive(Default)]
+struct Record {
+    cached: Option<usize>,
+    ids: Vec<u32>,
+    finished: Option<usize>,
+}
+
+impl Output for Record {
+    fn begin(&mut self, cached_tokens: usize) {
+        self.cached = Some(cached_tokens);
+    }
+    fn token(&mut self, step: Step<'_>) -> bool {
+        self.ids.push(step.id);
+        true
+    }
+    fn finish(&mut self, stats: &Stats) {
+        self.finished = Some(stats.generated_tokens);
+    }
+}
+
+#[test]
+fn a_follow_up_reuses_kept_state_with_the_ids_of_a_cold_run() {
+    let model = EngineBuilder::new(fixture()).open().unwrap();
+    let opts = GenerateOptions::new(6);
+    let first: Vec<u32> = (0..20).map(|i| (i * 31 + 7) % 1000).collect();
+    let mut warm = Generator::new(&model);
+    let mut turn1 = Record::default();
+    warm.generate(&first, &opts, &mut turn1).unwrap();
+    assert_eq!(turn1.cached, Some(0));
+    assert_eq!(turn1.finished, Some(6));
+    // The next prompt: the first, a different reply than the model's, and a new question.
+    let mut second = first.clone();
+    second.extend([5, 6, 7, 8, 9, 10]);
+    let mut turn2 = Record::default();
+    let stats = warm.generate(&second, &opts, &mut turn2).unwrap();
+    assert_eq!(turn2.cached, Some(first.len() - 1), "the state after the first prompt is reused");
+    assert_eq!(stats.cached_tokens, first.len() - 1);
+    assert_eq!(stats.prompt_tokens, second.len() - (first.len() - 1));
+    let mut cold = Record::default();
+    Generator::new(&model).generate(&second, &opts, &mut cold).unwrap();
+    assert_eq!(turn2.ids, cold.ids, "reuse changed the output");
+    // Reset forgets.
+    warm.reset();
+    let mut again = Record::default();
+    warm.generate(&second, &opts, &mut again).unwrap();
+    assert_eq!(again.cached, Some(0));
+    assert_eq!(again.ids, cold.ids);
+}
