@@ -21,6 +21,7 @@ mod error;
 mod kernels;
 mod math;
 mod model;
+mod reply;
 mod tensor;
 mod tokenizer;
 mod weights;
@@ -38,6 +39,7 @@ pub use crate::{
         chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Recording, Residual, Route,
         LM_PREFIX,
     },
+    reply::{Part as ReplyPart, ReplySplitter},
     tensor::Mat,
     tokenizer::{reserved_token_name, HfTokenizer, StreamDecoder, Tokenizer, K3_PATTERN, RESERVED},
     weights::{bf16_to_f32, Bf16Matrix, ByteOwner, Bytes, DType, TensorBytes, TensorSource},

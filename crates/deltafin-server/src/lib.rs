@@ -327,7 +327,7 @@ async fn whole_response(
         match ev {
             Event::Started { cached_tokens } => cached = cached_tokens,
             Event::Token { id, logprob, top } => {
-                if split.stopped {
+                if split.stopped() {
                     continue;
                 }
                 generated += 1;
@@ -336,7 +336,7 @@ async fn whole_response(
                     lps.push((id, lp, top));
                 }
                 add(parts, &mut content, &mut reasoning);
-                if split.stopped {
+                if split.stopped() {
                     guard.0.cancel();
                 }
             }
@@ -349,7 +349,7 @@ async fn whole_response(
         }
     }
     add(split.finish(), &mut content, &mut reasoning);
-    let finish = if split.stopped || done.as_ref().is_none_or(|d| d.1) { "stop" } else { "length" };
+    let finish = if split.stopped() || done.as_ref().is_none_or(|d| d.1) { "stop" } else { "length" };
     let mut body = if turn.chat {
         let mut msg = json!({"role": "assistant", "content": content});
         if !reasoning.is_empty() {
@@ -447,7 +447,7 @@ impl StreamState {
                 }
             }
             Some(Event::Token { id, logprob, top }) => {
-                if self.split.stopped {
+                if self.split.stopped() {
                     return;
                 }
                 self.generated += 1;
@@ -459,7 +459,7 @@ impl StreamState {
                 for (p, t) in self.split.push(id) {
                     self.queue.push_back(chunk(turn, delta(turn, p, t), std::mem::take(&mut lp), None));
                 }
-                if self.split.stopped {
+                if self.split.stopped() {
                     self.guard.0.cancel();
                     self.queue.push_back(chunk(turn, empty_delta(turn), Value::Null, Some("stop")));
                     if turn.req.include_usage {

@@ -1,159 +1,36 @@
-//! From generated ids to what the client sees: K3's `think` part as `reasoning_content`, the
-//! `response` part as `content`, stop strings cut exactly (text that might begin a stop string is
-//! held back until it cannot), and logprobs in OpenAI's shape.
+//! From generated ids to what the client sees: the reply split by the core's `ReplySplitter`
+//! (K3's `think` part becomes `reasoning_content`, the `response` part `content`, stop strings
+//! cut exactly), and logprobs in OpenAI's shape.
 
 use std::sync::Arc;
 
-use deltafin::LoadedModel;
-use deltafin::Tokenizer;
+pub use deltafin::ReplyPart as Part;
+use deltafin::{LoadedModel, ReplySplitter, Tokenizer};
 use serde_json::{json, Value};
 
-/// Which field a piece of text belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Part {
-    Reasoning,
-    Content,
-}
-
-/// Splits a chat generation into reasoning and content, and applies stop strings.
+/// [`ReplySplitter`] over a loaded model's tokenizer.
 pub struct Splitter {
     model: Arc<LoadedModel>,
-    chat: bool,
-    ctl: Option<(u32, u32, u32)>,
-    section: Part,
-    tag: Option<(bool, Vec<u32>)>,
-    pending: Vec<u8>,
-    held: [String; 2],
-    stops: Vec<String>,
-    /// A stop string was found: nothing more is emitted.
-    pub stopped: bool,
+    inner: ReplySplitter,
 }
 
 impl Splitter {
     /// `chat`: the prompt opened the assistant's `think` element.
     pub fn new(model: Arc<LoadedModel>, chat: bool, stops: Vec<String>) -> Splitter {
-        let tok = model.tokenizer();
-        let ctl = match (tok.special("<|open|>"), tok.special("<|close|>"), tok.special("<|sep|>")) {
-            (Some(o), Some(c), Some(s)) if chat => Some((o, c, s)),
-            _ => None,
-        };
-        Splitter {
-            model,
-            chat,
-            ctl,
-            section: if chat { Part::Reasoning } else { Part::Content },
-            tag: None,
-            pending: vec![],
-            held: [String::new(), String::new()],
-            stops,
-            stopped: false,
-        }
+        let inner = ReplySplitter::new(model.tokenizer(), chat, stops);
+        Splitter { model, inner }
     }
-
-    fn tok(&self) -> &Tokenizer {
-        self.model.tokenizer()
-    }
-
     /// Adds one id; returns the text pieces that became final.
     pub fn push(&mut self, id: u32) -> Vec<(Part, String)> {
-        if self.stopped {
-            return vec![];
-        }
-        if let Some((open, close, sep)) = self.ctl {
-            if id == open || id == close {
-                self.tag = Some((id == open, vec![]));
-                return vec![];
-            }
-            if let Some((is_open, ids)) = &mut self.tag {
-                if id != sep {
-                    ids.push(id);
-                    return vec![];
-                }
-                let name = self.model.tokenizer().decode(ids);
-                let is_open = *is_open;
-                self.tag = None;
-                if is_open {
-                    self.section = if name.trim().starts_with("think") { Part::Reasoning } else { Part::Content };
-                } else {
-                    self.section = Part::Content;
-                }
-                return vec![];
-            }
-        }
-        if self.chat && self.tok().is_special(id) {
-            return vec![];
-        }
-        let bytes = self.tok().id_bytes(id);
-        self.pending.extend(bytes);
-        let text = match std::str::from_utf8(&self.pending) {
-            Ok(s) => {
-                let s = s.to_string();
-                self.pending.clear();
-                s
-            }
-            Err(e) if e.error_len().is_none() && self.pending.len() - e.valid_up_to() <= 3 => {
-                let v = e.valid_up_to();
-                let s = String::from_utf8_lossy(&self.pending[..v]).into_owned();
-                self.pending.drain(..v);
-                s
-            }
-            Err(_) => {
-                let s = String::from_utf8_lossy(&self.pending).into_owned();
-                self.pending.clear();
-                s
-            }
-        };
-        self.feed(self.section, text)
+        self.inner.push(self.model.tokenizer(), id)
     }
-
-    fn feed(&mut self, part: Part, text: String) -> Vec<(Part, String)> {
-        let slot = part as usize;
-        self.held[slot].push_str(&text);
-        let held = &self.held[slot];
-        if let Some(pos) = self.stops.iter().filter_map(|s| held.find(s.as_str())).min() {
-            let out = held[..pos].to_string();
-            self.held[slot].clear();
-            self.stopped = true;
-            return if out.is_empty() { vec![] } else { vec![(part, out)] };
-        }
-        // Hold back the longest tail that could still grow into a stop string.
-        let mut keep = 0;
-        for s in &self.stops {
-            for k in (1..s.len()).rev() {
-                if s.is_char_boundary(k) && held.ends_with(&s[..k]) {
-                    keep = keep.max(k);
-                    break;
-                }
-            }
-        }
-        let cut = held.len() - keep;
-        let out = held[..cut].to_string();
-        self.held[slot].drain(..cut);
-        if out.is_empty() {
-            vec![]
-        } else {
-            vec![(part, out)]
-        }
-    }
-
     /// Flushes held text at the end of the generation.
     pub fn finish(&mut self) -> Vec<(Part, String)> {
-        if self.stopped {
-            return vec![];
-        }
-        let mut out = vec![];
-        if !self.pending.is_empty() {
-            let t = String::from_utf8_lossy(&self.pending).into_owned();
-            self.pending.clear();
-            self.held[self.section as usize].push_str(&t);
-        }
-        for part in [Part::Reasoning, Part::Content] {
-            let t = std::mem::take(&mut self.held[part as usize]);
-            if !t.is_empty() {
-                out.push((part, t));
-            }
-        }
-        out
+        self.inner.finish()
+    }
+    /// A stop string was found: nothing more is emitted.
+    pub fn stopped(&self) -> bool {
+        self.inner.stopped
     }
 }
 

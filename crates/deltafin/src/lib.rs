@@ -29,7 +29,9 @@
 
 use std::path::Path;
 
-pub use deltafin_core::{reserved_token_name, ChatFormat, Mat, Message, Role, StreamDecoder, Tokenizer, RESERVED};
+pub use deltafin_core::{
+    reserved_token_name, ChatFormat, Mat, Message, ReplyPart, ReplySplitter, Role, StreamDecoder, Tokenizer, RESERVED,
+};
 pub use deltafin_sched::{
     argmax, CacheMode, CachePolicy, Cancel, Engine, EngineBuilder, Error, GenerateOptions, Generator, LoadedModel, LogitRows, MemoryPlan,
     OnToken, Output, Phase, Result, Sequence, Slot, Stats, Step, StepOutput, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,

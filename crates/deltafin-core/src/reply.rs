@@ -1,0 +1,149 @@
+//! From generated ids to the reply a reader sees: K3's `think` part as reasoning, the `response`
+//! part as content, stop strings cut exactly (text that might begin a stop string is held back
+//! until it cannot), and UTF-8 split across tokens joined before it is shown.
+
+use crate::tokenizer::Tokenizer;
+
+/// Which field a piece of text belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    Reasoning,
+    Content,
+}
+
+/// Splits a generation into reasoning and content, and applies stop strings.
+pub struct ReplySplitter {
+    chat: bool,
+    ctl: Option<(u32, u32, u32)>,
+    section: Part,
+    tag: Option<(bool, Vec<u32>)>,
+    pending: Vec<u8>,
+    held: [String; 2],
+    stops: Vec<String>,
+    /// A stop string was found: nothing more is emitted.
+    pub stopped: bool,
+}
+
+impl ReplySplitter {
+    /// `chat`: the prompt opened the assistant's `think` element; `stops`: strings that end the
+    /// reply (not included in it).
+    pub fn new(tok: &Tokenizer, chat: bool, stops: Vec<String>) -> ReplySplitter {
+        let ctl = match (tok.special("<|open|>"), tok.special("<|close|>"), tok.special("<|sep|>")) {
+            (Some(o), Some(c), Some(s)) if chat => Some((o, c, s)),
+            _ => None,
+        };
+        ReplySplitter {
+            chat,
+            ctl,
+            section: if chat { Part::Reasoning } else { Part::Content },
+            tag: None,
+            pending: vec![],
+            held: [String::new(), String::new()],
+            stops,
+            stopped: false,
+        }
+    }
+
+    /// Adds one id (decoded with `tok`, the tokenizer it was made with); returns the text pieces
+    /// that became final.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Vec<(Part, String)> {
+        if self.stopped {
+            return vec![];
+        }
+        if let Some((open, close, sep)) = self.ctl {
+            if id == open || id == close {
+                self.tag = Some((id == open, vec![]));
+                return vec![];
+            }
+            if let Some((is_open, ids)) = &mut self.tag {
+                if id != sep {
+                    ids.push(id);
+                    return vec![];
+                }
+                let name = tok.decode(ids);
+                let is_open = *is_open;
+                self.tag = None;
+                if is_open {
+                    self.section = if name.trim().starts_with("think") { Part::Reasoning } else { Part::Content };
+                } else {
+                    self.section = Part::Content;
+                }
+                return vec![];
+            }
+        }
+        if self.chat && tok.is_special(id) {
+            return vec![];
+        }
+        let bytes = tok.id_bytes(id);
+        self.pending.extend(bytes);
+        let text = match std::str::from_utf8(&self.pending) {
+            Ok(s) => {
+                let s = s.to_string();
+                self.pending.clear();
+                s
+            }
+            Err(e) if e.error_len().is_none() && self.pending.len() - e.valid_up_to() <= 3 => {
+                let v = e.valid_up_to();
+                let s = String::from_utf8_lossy(&self.pending[..v]).into_owned();
+                self.pending.drain(..v);
+                s
+            }
+            Err(_) => {
+                let s = String::from_utf8_lossy(&self.pending).into_owned();
+                self.pending.clear();
+                s
+            }
+        };
+        self.feed(self.section, text)
+    }
+
+    fn feed(&mut self, part: Part, text: String) -> Vec<(Part, String)> {
+        let slot = part as usize;
+        self.held[slot].push_str(&text);
+        let held = &self.held[slot];
+        if let Some(pos) = self.stops.iter().filter_map(|s| held.find(s.as_str())).min() {
+            let out = held[..pos].to_string();
+            self.held[slot].clear();
+            self.stopped = true;
+            return if out.is_empty() { vec![] } else { vec![(part, out)] };
+        }
+        // Hold back the longest tail that could still grow into a stop string.
+        let mut keep = 0;
+        for s in &self.stops {
+            for k in (1..s.len()).rev() {
+                if s.is_char_boundary(k) && held.ends_with(&s[..k]) {
+                    keep = keep.max(k);
+                    break;
+                }
+            }
+        }
+        let cut = held.len() - keep;
+        let out = held[..cut].to_string();
+        self.held[slot].drain(..cut);
+        if out.is_empty() {
+            vec![]
+        } else {
+            vec![(part, out)]
+        }
+    }
+
+    /// Flushes held text at the end of the generation.
+    pub fn finish(&mut self) -> Vec<(Part, String)> {
+        if self.stopped {
+            return vec![];
+        }
+        let mut out = vec![];
+        if !self.pending.is_empty() {
+            let t = String::from_utf8_lossy(&self.pending).into_owned();
+            self.pending.clear();
+            self.held[self.section as usize].push_str(&t);
+        }
+        for part in [Part::Reasoning, Part::Content] {
+            let t = std::mem::take(&mut self.held[part as usize]);
+            if !t.is_empty() {
+                out.push((part, t));
+            }
+        }
+        out
+    }
+}
