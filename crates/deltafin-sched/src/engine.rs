@@ -95,8 +95,8 @@ pub struct Engine {
     model: Model,
     experts: Arc<dyn ExpertSource>,
     options: EngineOptions,
-    /// Demand counts per (layer, expert) since the last `take_heat` (for the pinned tier).
-    heat: std::sync::Mutex<std::collections::HashMap<(usize, u32), u64>>,
+    /// The MoE layers a step walks, in order (what each step tells the expert source).
+    moe_layers: Vec<usize>,
     /// How often the next token's guess started from the right token (kept across generations:
     /// it describes how predictable the model and its text are).
     agreement: std::sync::Mutex<Agreement>,
@@ -105,12 +105,8 @@ pub struct Engine {
 impl Engine {
     /// Wraps a loaded spine and an expert source.
     pub fn new(model: Model, experts: Arc<dyn ExpertSource>, options: EngineOptions) -> Engine {
-        Engine { model, experts, options, heat: Default::default(), agreement: Default::default() }
-    }
-
-    /// Demand counts per (layer, expert) since the last call.
-    pub fn take_heat(&self) -> std::collections::HashMap<(usize, u32), u64> {
-        std::mem::take(&mut *self.heat.lock().expect("poisoned"))
+        let moe_layers = model.config().moe_layers();
+        Engine { model, experts, options, moe_layers, agreement: Default::default() }
     }
 
     /// The spine.
@@ -188,12 +184,9 @@ impl Engine {
         Ok((logits.expect("the last chunk always yields logits"), report))
     }
 
-    /// Counts demands per (layer, expert) for the pinned tier.
-    pub(crate) fn note_heat(&self, l: usize, experts: &[u32]) {
-        let mut heat = self.heat.lock().expect("poisoned");
-        for &e in experts {
-            *heat.entry((l, e)).or_default() += 1;
-        }
+    /// The MoE layers a step walks, in order.
+    pub(crate) fn moe_layers(&self) -> &[usize] {
+        &self.moe_layers
     }
 
     /// How often the provisional next token matched the real one, lately.

@@ -263,7 +263,7 @@ impl LoadedModel {
     /// Adds this session's expert demand counts to the store's heat history (for `--pin`).
     pub fn save_heat(&self) -> Result<()> {
         if let Some(store) = &self.store {
-            let heat: HashMap<(usize, u32), u64> = self.engine.take_heat();
+            let heat: HashMap<(usize, u32), u64> = self.engine.experts().take_heat();
             store.record_heat(&heat)?;
         }
         Ok(())

@@ -102,6 +102,8 @@ impl Engine {
         for s in slots.iter_mut() {
             s.seq.begin_pass(s.phase);
         }
+        // The store is told the plan: which MoE layers this step requests, in order.
+        self.experts().begin_pass(self.moe_layers());
         let mut advanced = vec![0usize; slots.len()];
         match self.walk(slots, &mut advanced, cancel, guess_next) {
             Ok((res, report)) => {
@@ -191,7 +193,6 @@ impl Engine {
         let wanted = combine.expert_rows();
         report.distinct_expert_bytes += wanted.len() as u64 * self.experts().expert_bytes();
         let expert_ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
-        self.note_heat(l, &expert_ids);
         let rx = self.experts().request(l, &expert_ids, Priority::Demand);
         // The shared experts need no reads: run them while the routed ones arrive.
         let shared = model.moe_shared(l, x);

@@ -62,6 +62,15 @@ pub trait ExpertSource: Send + Sync {
     fn request(&self, layer: usize, experts: &[u32], priority: Priority) -> Receiver<Delivery>;
     /// Hints that these experts will likely be needed soon (may be ignored).
     fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+    /// A pass (engine step) begins and will request the MoE layers `layers`, in this order; the
+    /// next pass walks them again. The source plans eviction from this, never from the order
+    /// requests happen to arrive in.
+    fn begin_pass(&self, _layers: &[usize]) {}
+    /// Demand counts per (layer, expert) since the last call: which experts are hot, for the
+    /// pinned tier. The source owns them; the engine only asks.
+    fn take_heat(&self) -> std::collections::HashMap<(usize, u32), u64> {
+        Default::default()
+    }
     /// Counters so far.
     fn stats(&self) -> SourceStats;
     /// Bytes of one expert.

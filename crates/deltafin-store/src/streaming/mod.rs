@@ -11,7 +11,11 @@
 //! Where several drives hold an expert, a demand read is split into parts sized so that every
 //! drive finishes together (`split`): a layer with fewer misses than drives still uses them all.
 
+mod drives;
+mod plan;
 mod split;
+
+pub use drives::{CappedDrives, DriveIo, LocalDrives};
 
 pub use split::DEFAULT_SPLIT_MIN;
 
@@ -26,8 +30,9 @@ use deltafin_core::{Bytes, ExpertLayout, ExpertShape};
 use crate::error::Error;
 use crate::manifest::{checksum, Manifest};
 use crate::memory::{AlignedBuf, Budget};
-use crate::reader::{aligned_window, open_for_read, read_aligned, CacheMode};
+use crate::reader::{aligned_window, CacheMode};
 use crate::source::{Delivery, ExpertSource, HomeStats, Priority, SourceStats};
+use plan::Plan;
 
 type Key = (usize, u32);
 
@@ -111,8 +116,6 @@ struct Home {
     /// Reads in flight on this home (at most the queue depth; a thread checking a checksum or
     /// finishing a delivery holds no slot, so the drive's queue stays full meanwhile).
     reading: usize,
-    /// End of the last slot handed out under the home's read cap.
-    paced_until: Option<Instant>,
     quarantined_until: Option<Instant>,
     backoff: Duration,
     demand: VecDeque<Job>,
@@ -126,22 +129,27 @@ struct State {
     clock: u64,
     /// Layer of the latest demand request (where the engine is).
     current_layer: usize,
-    /// Clock when the current pass (token) made its first demand: under LRU a guess may displace
-    /// what the pass has not used, never what it has.
+    /// Clock when the current pass (step) began: under LRU a guess may displace what the pass
+    /// has not used, never what it has.
     pass_start: u64,
+    /// The pass's plan, as the engine told it (`begin_pass`): each layer's position in the order
+    /// the pass walks the MoE layers, and how many there are.
+    plan: Plan,
+    /// Demand counts per expert since the last `take_heat`.
+    heat: HashMap<Key, u64>,
     stats: SourceStats,
     shutdown: bool,
 }
 
 struct Inner {
     manifest: Manifest,
+    /// The drives beneath the cache.
+    io: Box<dyn DriveIo>,
     /// What a corrupt expert's error tells the user to do (depends on the store's layout).
     advice: String,
     index: HashMap<Key, usize>,
     layouts: HashMap<usize, ExpertLayout>,
     shape: ExpertShape,
-    /// One past the highest MoE layer index.
-    layer_count: usize,
     opts: ReaderOptions,
     budget: Arc<Budget>,
     state: Mutex<State>,
@@ -195,17 +203,22 @@ impl StreamingExperts {
                 busy_bytes: 0.0,
                 queued_bytes: 0,
                 reading: 0,
-                paced_until: None,
                 quarantined_until: None,
                 backoff: Duration::from_millis(100),
                 demand: VecDeque::new(),
                 prefetch: VecDeque::new(),
             })
             .collect();
-        let layer_count = manifest.layouts.iter().map(|(l, _)| l + 1).max().unwrap_or(1);
+        // Until the engine says otherwise, a pass walks the MoE layers in ascending order.
+        let mut moe: Vec<usize> = manifest.layouts.iter().map(|(l, _)| *l).collect();
+        moe.sort_unstable();
         let inner = Arc::new(Inner {
-            layer_count,
             budget: Budget::new(opts.expert_budget),
+            io: if opts.read_caps.iter().any(|&c| c > 0) {
+                Box::new(CappedDrives::new(LocalDrives { mode: opts.cache_mode }, opts.read_caps.clone()))
+            } else {
+                Box::new(LocalDrives { mode: opts.cache_mode })
+            },
             manifest,
             advice,
             index,
@@ -219,6 +232,8 @@ impl StreamingExperts {
                 clock: 0,
                 current_layer: 0,
                 pass_start: 0,
+                plan: Plan::new(&moe),
+                heat: HashMap::new(),
                 stats: SourceStats::default(),
                 shutdown: false,
             }),
@@ -255,6 +270,8 @@ impl StreamingExperts {
         if let Some(c) = st.cache.get_mut(&(l, e)) {
             c.pinned = true;
         }
+        // Loading the hot tier is not a demand of the model's.
+        st.heat.remove(&(l, e));
         Ok(())
     }
 
@@ -397,21 +414,11 @@ impl Inner {
         }
     }
 
-    /// How soon an expert of `layer` will be needed again, in layers, when the engine is at
-    /// `current`: later layers of this token first, then this token's earlier layers next token.
-    fn next_use(&self, layer: usize, current: usize) -> usize {
-        if layer > current {
-            layer - current
-        } else {
-            self.layer_count - current + layer
-        }
-    }
-
     /// Eviction order: larger is evicted first.
-    fn evict_rank(&self, key: Key, c: &CacheEntry, current: usize) -> (usize, u64) {
+    fn evict_rank(&self, plan: &Plan, key: Key, c: &CacheEntry, current: usize) -> (usize, u64) {
         match self.opts.policy {
             CachePolicy::Lru => (0, u64::MAX - c.last_use),
-            CachePolicy::NextUse => (self.next_use(key.0, current), u64::MAX - c.last_use),
+            CachePolicy::NextUse => (plan.next_use(key.0, current), u64::MAX - c.last_use),
         }
     }
 
@@ -431,7 +438,8 @@ impl Inner {
                 }
                 let current = st.current_layer;
                 let pass_start = st.pass_start;
-                let incoming = self.next_use(key.0, current);
+                let plan = &st.plan;
+                let incoming = plan.next_use(key.0, current);
                 let victim = st
                     .cache
                     .iter()
@@ -443,11 +451,11 @@ impl Inner {
                                 // (LRU: other unused guesses, or what this pass has not used).
                                 Priority::Prefetch => match self.opts.policy {
                                     CachePolicy::Lru => c.unused_prefetch || c.last_use < pass_start,
-                                    CachePolicy::NextUse => self.next_use(k.0, current) > incoming,
+                                    CachePolicy::NextUse => plan.next_use(k.0, current) > incoming,
                                 },
                             }
                     })
-                    .max_by_key(|(k, c)| self.evict_rank(**k, c, current))
+                    .max_by_key(|(k, c)| self.evict_rank(plan, **k, c, current))
                     .map(|(k, _)| *k);
                 match victim {
                     Some(k) => {
@@ -497,13 +505,10 @@ impl Inner {
         };
         let path = self.manifest.copy_path(c);
         let t0 = Instant::now();
-        let due = self.pace_slot(c.home, e.len);
-        let (file, _) = open_for_read(&path, self.opts.cache_mode).map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
-        let at =
-            read_aligned(&file, c.offset, e.len, buf.as_mut_slice()).map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
-        if let Some(due) = due {
-            std::thread::sleep(due.saturating_duration_since(Instant::now()));
-        }
+        let at = self
+            .io
+            .read(c.home, &path, c.offset, e.len, buf.as_mut_slice())
+            .map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
         let secs = t0.elapsed().as_secs_f64();
         drop(slot);
         let owner: Arc<dyn deltafin_core::ByteOwner> = Arc::new(buf);
@@ -512,19 +517,6 @@ impl Inner {
             return Err(ReadFail::Corrupt(path));
         }
         Ok((bytes, secs))
-    }
-
-    /// Under a read cap, the moment a read of `len` bytes starting now may complete: the end of
-    /// the next `len / cap` seconds of the home's byte clock. `None` without a cap.
-    fn pace_slot(&self, home: usize, len: u64) -> Option<Instant> {
-        let cap = self.opts.read_caps.get(home).copied().filter(|&c| c > 0)?;
-        let mut st = self.state.lock().expect("poisoned");
-        let now = Instant::now();
-        let h = &mut st.homes[home];
-        let start = h.paced_until.map_or(now, |t| t.max(now));
-        let end = start + Duration::from_secs_f64(len as f64 / cap as f64);
-        h.paced_until = Some(end);
-        Some(end)
     }
 
     /// Records a successful read of `len` bytes from `home` in `secs`.
@@ -652,11 +644,10 @@ impl ExpertSource for StreamingExperts {
         let mut st = inner.state.lock().expect("poisoned");
         st.clock += 1;
         if priority == Priority::Demand {
-            if layer <= st.current_layer {
-                // Back at an earlier layer: a new pass began.
-                st.pass_start = st.clock;
-            }
             st.current_layer = layer;
+            for &e in experts {
+                *st.heat.entry((layer, e)).or_default() += 1;
+            }
         }
         // Stale guesses: queued prefetches of this layer that were not demanded.
         let stale: Vec<Key> = st
@@ -720,6 +711,17 @@ impl ExpertSource for StreamingExperts {
         drop(st);
         inner.work.notify_all();
         rx
+    }
+
+    fn begin_pass(&self, layers: &[usize]) {
+        let mut st = self.inner.state.lock().expect("poisoned");
+        st.clock += 1;
+        st.pass_start = st.clock;
+        st.plan = Plan::new(layers);
+    }
+
+    fn take_heat(&self) -> HashMap<Key, u64> {
+        std::mem::take(&mut self.inner.state.lock().expect("poisoned").heat)
     }
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {

@@ -17,7 +17,6 @@ use deltafin_core::Bytes;
 
 use super::{Inflight, Inner, Job, Key, ReadSlot, State, DEFAULT_RATE};
 use crate::memory::{AlignedBuf, BUF_ALIGN};
-use crate::reader::{open_for_read, read_aligned};
 use crate::source::{Delivery, Priority};
 
 /// Default for `ReaderOptions::split_min`: experts smaller than this are read whole (splitting
@@ -273,18 +272,12 @@ impl Inner {
         let c = &e.copies[copy];
         let path = self.manifest.copy_path(c);
         let t0 = Instant::now();
-        let due = self.pace_slot(home, len);
         let room = (window - start) as usize;
         // SAFETY: each part writes only [start, start + room) of the shared buffer, and parts
         // cover disjoint ranges (start is page-aligned and parts do not overlap); nobody reads the
         // buffer before every part is done.
         let dst = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr_for_parts().add(start as usize), room) };
-        let result = open_for_read(&path, self.opts.cache_mode)
-            .and_then(|(f, _)| read_aligned(&f, c.offset + start, len, dst))
-            .map_err(|err| format!("{}: {err}", path.display()));
-        if let Some(due) = due {
-            std::thread::sleep(due.saturating_duration_since(Instant::now()));
-        }
+        let result = self.io.read(home, &path, c.offset + start, len, dst).map_err(|err| format!("{}: {err}", path.display()));
         let secs = t0.elapsed().as_secs_f64();
         drop(slot);
         let mut st = self.state.lock().expect("poisoned");
