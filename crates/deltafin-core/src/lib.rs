@@ -15,6 +15,7 @@
 //! `kernels` module docs), so the logits of a token are bit-identical whether it is processed in
 //! a prompt batch or alone in decode, on any thread count and any of the SIMD paths.
 
+mod backend;
 mod chat;
 mod config;
 mod error;
@@ -27,6 +28,7 @@ mod tokenizer;
 mod weights;
 
 pub use crate::{
+    backend::{Backend, Cpu},
     chat::{ChatFormat, Message, Role},
     config::{AttentionKind, ExpertShape, K3Config, MlpKind},
     error::{Error, Result},

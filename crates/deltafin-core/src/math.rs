@@ -3,7 +3,6 @@
 //! All in F32, each with one fixed evaluation order (sums go through the 16-lane kernels).
 
 use crate::kernels::{dot_f32, Isa};
-use crate::tensor::Mat;
 
 /// `1 / (1 + e^-x)`.
 #[inline]
@@ -37,15 +36,6 @@ pub fn rms_norm_in_place(isa: Isa, x: &mut [f32], weight: Option<&[f32]>, eps: f
         Some(w) => x.iter_mut().zip(w).for_each(|(v, w)| *v = *v * inv * w),
         None => x.iter_mut().for_each(|v| *v *= inv),
     }
-}
-
-/// RMSNorm of every row of a matrix.
-pub fn rms_norm_rows(isa: Isa, m: &Mat, weight: &[f32], eps: f32) -> Mat {
-    let mut out = m.clone();
-    for r in 0..out.rows {
-        rms_norm_in_place(isa, out.row_mut(r), Some(weight), eps);
-    }
-    out
 }
 
 /// Softmax in place (max-subtracted; sum in index order).

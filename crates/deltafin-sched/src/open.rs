@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use deltafin_core::{ChatFormat, K3Config, Model, Tokenizer, K3_PATTERN};
+use deltafin_core::{Backend, ChatFormat, Cpu, K3Config, Model, Tokenizer, K3_PATTERN};
 use deltafin_store::{
     CacheMode, CachePolicy, Checkpoint, Error as StoreError, ExpertSource, MappedExperts, ReaderOptions, Store, StreamingExperts,
 };
@@ -35,6 +35,7 @@ pub struct EngineBuilder {
     policy: CachePolicy,
     split_min: u64,
     read_caps: Vec<u64>,
+    backend: Option<Arc<dyn Backend>>,
 }
 
 /// Where the RAM budget goes, in bytes.
@@ -61,6 +62,7 @@ impl EngineBuilder {
             policy: CachePolicy::NextUse,
             split_min: deltafin_store::DEFAULT_SPLIT_MIN,
             read_caps: Vec::new(),
+            backend: None,
         }
     }
     /// Prefetch next-layer experts guessed from the current layer's output (on by default; no
@@ -111,6 +113,11 @@ impl EngineBuilder {
         self.read_caps = caps;
         self
     }
+    /// What computes (default: the fastest CPU kernels). Every backend gives the same bits.
+    pub fn backend(mut self, backend: Arc<dyn Backend>) -> Self {
+        self.backend = Some(backend);
+        self
+    }
     /// Bytes of the hottest experts (from the store's heat history) to keep pinned in RAM.
     pub fn pin_bytes(mut self, bytes: u64) -> Self {
         self.pin_bytes = bytes;
@@ -137,6 +144,10 @@ impl EngineBuilder {
         (4 * (tokens * per_row + scores)) as u64 + (8 << 20)
     }
 
+    fn compute(&self) -> Arc<dyn Backend> {
+        self.backend.clone().unwrap_or_else(|| Arc::new(Cpu::best()))
+    }
+
     /// Opens the model: parses the config, checks every spine tensor, starts the expert source.
     pub fn open(mut self) -> Result<LoadedModel> {
         if Store::is_store(&self.path) {
@@ -152,7 +163,7 @@ impl EngineBuilder {
         let ckpt = Arc::new(Checkpoint::open(&self.path)?);
         let (ranks, tok_config) = ckpt.tokenizer_texts()?;
         let tokenizer = Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?;
-        let model = Model::load(ckpt.config().clone(), ckpt.as_ref())?;
+        let model = Model::load_with(ckpt.config().clone(), ckpt.as_ref(), self.compute())?;
         let experts: Arc<dyn ExpertSource> = Arc::new(MappedExperts::new(ckpt.clone())?);
         self.options.prefill_chunk = self.options.prefill_chunk.filter(|&c| c > 0);
         Ok(LoadedModel { engine: Engine::new(model, experts, self.options), tokenizer, context: self.context, plan: None, store: None })
@@ -218,7 +229,7 @@ impl EngineBuilder {
             split_min: self.split_min,
             read_caps: self.read_caps.clone(),
         })?;
-        let model = Model::load(cfg, &store)?;
+        let model = Model::load_with(cfg, &store, self.compute())?;
         let store = Arc::new(store);
         Ok(LoadedModel {
             engine: Engine::new(model, Arc::new(experts), self.options),

@@ -112,3 +112,21 @@ fn a_failed_step_leaves_every_sequence_bit_identical() {
         assert!(s.ids().is_empty() && s.layer_states() == fresh.layer_states(), "a failed two-slot step left state behind");
     }
 }
+
+#[test]
+fn every_backend_gives_the_same_bits() {
+    use std::sync::Arc;
+    let prompt = ids(11, 4);
+    let mut want: Option<Vec<u32>> = None;
+    for isa in deltafin_core::Isa::available() {
+        let model = EngineBuilder::new(fixture()).backend(Arc::new(deltafin_core::Cpu::new(isa))).open().unwrap();
+        assert_eq!(model.engine().model().backend().name(), format!("cpu-{:?}", isa.kind()).to_lowercase());
+        let mut seq = model.new_sequence();
+        let out = model.engine().step(&mut [Slot::new(&mut seq, &prompt, Phase::Verify)], None).unwrap();
+        let got = bits(&out.logits[0]);
+        match &want {
+            None => want = Some(got),
+            Some(w) => assert!(*w == got, "{isa:?} differs from the scalar reference"),
+        }
+    }
+}

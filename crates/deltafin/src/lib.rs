@@ -30,7 +30,8 @@
 use std::path::Path;
 
 pub use deltafin_core::{
-    reserved_token_name, ChatFormat, Mat, Message, ReplyPart, ReplySplitter, Role, StreamDecoder, Tokenizer, RESERVED,
+    reserved_token_name, Backend, ChatFormat, Cpu, Isa, IsaKind, Mat, Message, ReplyPart, ReplySplitter, Role, StreamDecoder, Tokenizer,
+    RESERVED,
 };
 pub use deltafin_sched::{
     argmax, CacheMode, CachePolicy, Cancel, Engine, EngineBuilder, Error, GenerateOptions, Generator, LoadedModel, LogitRows, MemoryPlan,

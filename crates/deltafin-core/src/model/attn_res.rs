@@ -4,8 +4,8 @@
 //! candidates and returns the weighted sum of the *raw* candidates, in F32, anchors first in block
 //! order, then the partial sum: one fixed order.
 
-use crate::kernels::{dot_f32, Isa};
-use crate::math::{inv_rms, softmax_in_place};
+use crate::backend::Backend;
+use crate::math::softmax_in_place;
 use crate::tensor::Mat;
 
 /// The residual stream of one forward pass over some token rows.
@@ -29,7 +29,7 @@ impl Residual {
 }
 
 /// Mix `anchors + [partial]` per row with the effective weight `w_eff`.
-pub(crate) fn mix(isa: Isa, anchors: &[Mat], partial: &Mat, w_eff: &[f32], eps: f32) -> Mat {
+pub(crate) fn mix(be: &dyn Backend, anchors: &[Mat], partial: &Mat, w_eff: &[f32], eps: f32) -> Mat {
     if anchors.is_empty() {
         return partial.clone();
     }
@@ -38,10 +38,10 @@ pub(crate) fn mix(isa: Isa, anchors: &[Mat], partial: &Mat, w_eff: &[f32], eps: 
     for t in 0..partial.rows {
         for (k, a) in anchors.iter().enumerate() {
             let v = a.row(t);
-            logits[k] = dot_f32(isa, v, w_eff) * inv_rms(isa, v, eps);
+            logits[k] = be.dot_f32(v, w_eff) * be.inv_rms(v, eps);
         }
         let p = partial.row(t);
-        logits[anchors.len()] = dot_f32(isa, p, w_eff) * inv_rms(isa, p, eps);
+        logits[anchors.len()] = be.dot_f32(p, w_eff) * be.inv_rms(p, eps);
         softmax_in_place(&mut logits);
         let o = out.row_mut(t);
         for (k, a) in anchors.iter().enumerate() {

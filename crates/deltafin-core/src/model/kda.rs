@@ -10,10 +10,11 @@
 use rayon::prelude::*;
 
 use super::loader::Loader;
+use crate::backend::Backend;
 use crate::config::K3Config;
 use crate::error::Result;
-use crate::kernels::{dot_f32, matmul_bf16, Isa};
-use crate::math::{rms_norm_in_place, sigmoid, silu};
+use crate::kernels::{dot_f32, Isa};
+use crate::math::{sigmoid, silu};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
@@ -103,7 +104,7 @@ impl KdaState {
     }
 
     /// Rewinds the last recorded forward so that only its first `keep` tokens count.
-    pub(crate) fn rewind(&mut self, cfg: &K3Config, isa: Isa, keep: usize) -> bool {
+    pub(crate) fn rewind(&mut self, cfg: &K3Config, be: &dyn Backend, keep: usize) -> bool {
         let Some(r) = self.replay.take() else { return false };
         let (heads, d, c, kern) = (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_dim(), cfg.conv_kernel);
         let start_only = r.beta.is_empty() && r.tokens > 0;
@@ -122,8 +123,7 @@ impl KdaState {
         for (hh, s) in self.s.chunks_mut(d * d).enumerate() {
             let sl = hh * d..(hh + 1) * d;
             for t in 0..keep {
-                recurrent_step(
-                    isa,
+                be.kda_step(
                     s,
                     &r.q.row(t)[sl.clone()],
                     &r.k.row(t)[sl.clone()],
@@ -174,10 +174,10 @@ impl KdaWeights {
     }
 
     /// Runs `x` (the normed attention input, one row per token) through the layer, advancing state.
-    pub fn forward(&self, cfg: &K3Config, isa: Isa, x: &Mat, state: &mut KdaState) -> Mat {
+    pub fn forward(&self, cfg: &K3Config, be: &dyn Backend, x: &Mat, state: &mut KdaState) -> Mat {
         let (heads, d, c, kern) = (cfg.kda_heads, cfg.kda_head_dim, cfg.kda_dim(), cfg.conv_kernel);
         let t_len = x.rows;
-        let mut qkv = [matmul_bf16(x, &self.q_proj), matmul_bf16(x, &self.k_proj), matmul_bf16(x, &self.v_proj)];
+        let mut qkv = [be.matmul_bf16(x, &self.q_proj), be.matmul_bf16(x, &self.k_proj), be.matmul_bf16(x, &self.v_proj)];
         let start = match state.record {
             Recording::Off => None,
             Recording::Start => Some((state.conv.clone(), state.s.clone(), [Vec::new(), Vec::new(), Vec::new()])),
@@ -206,14 +206,14 @@ impl KdaWeights {
         for t in 0..t_len {
             for hh in 0..heads {
                 let qh = &mut q.row_mut(t)[hh * d..(hh + 1) * d];
-                let nq = 1.0 / (dot_f32(isa, qh, qh) + 1e-6).sqrt();
+                let nq = 1.0 / (be.dot_f32(qh, qh) + 1e-6).sqrt();
                 qh.iter_mut().for_each(|v| *v = *v * nq * scale);
                 let kh = &mut k.row_mut(t)[hh * d..(hh + 1) * d];
-                let nk = 1.0 / (dot_f32(isa, kh, kh) + 1e-6).sqrt();
+                let nk = 1.0 / (be.dot_f32(kh, kh) + 1e-6).sqrt();
                 kh.iter_mut().for_each(|v| *v *= nk);
             }
         }
-        let a = matmul_bf16(&matmul_bf16(x, &self.f_a), &self.f_b);
+        let a = be.matmul_bf16(&be.matmul_bf16(x, &self.f_a), &self.f_b);
         let lb = cfg.gate_lower_bound;
         let mut decay = Mat::zeros(t_len, c);
         for t in 0..t_len {
@@ -222,7 +222,7 @@ impl KdaWeights {
                 decay.row_mut(t)[ch] = g.exp();
             }
         }
-        let b = matmul_bf16(x, &self.b_proj);
+        let b = be.matmul_bf16(x, &self.b_proj);
         let beta: Vec<f32> = b.data.iter().map(|&v| sigmoid(v)).collect();
 
         state.replay = start.map(|(conv, s0, raw)| {
@@ -250,8 +250,7 @@ impl KdaWeights {
                 let mut out = vec![0f32; t_len * d];
                 for t in 0..t_len {
                     let sl = hh * d..(hh + 1) * d;
-                    recurrent_step(
-                        isa,
+                    be.kda_step(
                         s,
                         &q.row(t)[sl.clone()],
                         &k.row(t)[sl.clone()],
@@ -269,17 +268,17 @@ impl KdaWeights {
                 o.row_mut(t)[hh * d..(hh + 1) * d].copy_from_slice(&out[t * d..(t + 1) * d]);
             }
         }
-        let gate = matmul_bf16(x, &self.g_proj);
+        let gate = be.matmul_bf16(x, &self.g_proj);
         for t in 0..t_len {
             let row = o.row_mut(t);
             for hh in 0..heads {
-                rms_norm_in_place(isa, &mut row[hh * d..(hh + 1) * d], Some(&self.o_norm), cfg.rms_norm_eps);
+                be.rms_norm_in_place(&mut row[hh * d..(hh + 1) * d], Some(&self.o_norm), cfg.rms_norm_eps);
             }
             for (v, g) in row.iter_mut().zip(gate.row(t)) {
                 *v *= sigmoid(*g);
             }
         }
-        matmul_bf16(&o, &self.o_proj)
+        be.matmul_bf16(&o, &self.o_proj)
     }
 }
 

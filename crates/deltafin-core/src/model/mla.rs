@@ -9,10 +9,10 @@
 use rayon::prelude::*;
 
 use super::loader::Loader;
+use crate::backend::Backend;
 use crate::config::K3Config;
 use crate::error::{Error, Result};
-use crate::kernels::{dot_bf16, dot_f32, matmul_bf16, Isa};
-use crate::math::{rms_norm_rows, sigmoid, softmax_in_place};
+use crate::math::{sigmoid, softmax_in_place};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
@@ -99,7 +99,7 @@ impl MlaWeights {
     }
 
     /// Attends `x` (normed attention input) over the cache plus itself, appending to the cache.
-    pub fn forward(&self, cfg: &K3Config, isa: Isa, x: &Mat, cache: &mut MlaCache) -> Result<Mat> {
+    pub fn forward(&self, cfg: &K3Config, be: &dyn Backend, x: &Mat, cache: &mut MlaCache) -> Result<Mat> {
         let (heads, nope, rope, vd, lora) = (cfg.mla_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim, cfg.kv_lora_rank);
         let t_len = x.rows;
         if cache.len + t_len > cache.limit {
@@ -108,12 +108,12 @@ impl MlaWeights {
                 cache.limit, t_len, cache.len
             )));
         }
-        let q = matmul_bf16(&rms_norm_rows(isa, &matmul_bf16(x, &self.q_a), &self.q_a_norm, LORA_NORM_EPS), &self.q_b);
-        let kv = matmul_bf16(x, &self.kv_a);
+        let q = be.matmul_bf16(&be.rms_norm_rows(&be.matmul_bf16(x, &self.q_a), &self.q_a_norm, LORA_NORM_EPS), &self.q_b);
+        let kv = be.matmul_bf16(x, &self.kv_a);
         for t in 0..t_len {
             let row = kv.row(t);
             let mut lat = row[..lora].to_vec();
-            crate::math::rms_norm_in_place(isa, &mut lat, Some(&self.kv_a_norm), LORA_NORM_EPS);
+            be.rms_norm_in_place(&mut lat, Some(&self.kv_a_norm), LORA_NORM_EPS);
             cache.latent.extend_from_slice(&lat);
             cache.k_pe.extend_from_slice(&row[lora..]);
         }
@@ -141,8 +141,8 @@ impl MlaWeights {
                 let n_keys = past + t + 1;
                 let mut scores: Vec<f32> = (0..n_keys)
                     .map(|j| {
-                        let s = dot_f32(isa, &q_lat, &cache_ref.latent[j * lora..(j + 1) * lora])
-                            + dot_f32(isa, q_pe, &cache_ref.k_pe[j * rope..(j + 1) * rope]);
+                        let s = be.dot_f32(&q_lat, &cache_ref.latent[j * lora..(j + 1) * lora])
+                            + be.dot_f32(q_pe, &cache_ref.k_pe[j * rope..(j + 1) * rope]);
                         s * scale
                     })
                     .collect();
@@ -153,7 +153,7 @@ impl MlaWeights {
                         *o += p * l;
                     }
                 }
-                (0..vd).map(|i| dot_bf16(isa, &o_lat, self.kv_b.row(h * per_head + nope + i))).collect()
+                (0..vd).map(|i| be.dot_bf16(&o_lat, self.kv_b.row(h * per_head + nope + i))).collect()
             })
             .collect();
         let mut attn = Mat::zeros(t_len, heads * vd);
@@ -162,11 +162,11 @@ impl MlaWeights {
             attn.row_mut(t)[h * vd..(h + 1) * vd].copy_from_slice(&o);
         }
         if let Some(g) = &self.g_proj {
-            let gate = matmul_bf16(x, g);
+            let gate = be.matmul_bf16(x, g);
             for (a, g) in attn.data.iter_mut().zip(&gate.data) {
                 *a *= sigmoid(*g);
             }
         }
-        Ok(matmul_bf16(&attn, &self.o_proj))
+        Ok(be.matmul_bf16(&attn, &self.o_proj))
     }
 }

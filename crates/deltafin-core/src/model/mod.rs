@@ -14,14 +14,14 @@ mod mla;
 mod moe;
 
 pub use attn_res::Residual;
+pub(crate) use kda::recurrent_step;
 pub use kda::{chunked_delta_rule, KdaState, Recording};
 pub use mla::MlaCache;
 pub use moe::{expert_forward, ExpertLayout, MoeCombine, Route};
 
+use crate::backend::{Backend, Cpu};
 use crate::config::{AttentionKind, K3Config, MlpKind};
 use crate::error::{Error, Result};
-use crate::kernels::{matmul_bf16, Isa};
-use crate::math::rms_norm_rows;
 use crate::tensor::Mat;
 use crate::weights::{Bf16Matrix, TensorSource};
 use loader::Loader;
@@ -89,7 +89,7 @@ impl LayerState {
 /// The K3 spine: every weight except the routed experts, borrowed from the store's bytes.
 pub struct Model {
     config: K3Config,
-    isa: Isa,
+    backend: std::sync::Arc<dyn Backend>,
     embed: Bf16Matrix,
     lm_head: Bf16Matrix,
     norm: Vec<f32>,
@@ -98,8 +98,14 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads and checks every spine tensor (shape, dtype) from `src`.
+    /// Loads and checks every spine tensor (shape, dtype) from `src`, computing on the fastest
+    /// CPU kernels.
     pub fn load(config: K3Config, src: &dyn TensorSource) -> Result<Model> {
+        Model::load_with(config, src, std::sync::Arc::new(Cpu::best()))
+    }
+
+    /// [`Model::load`] computing through `backend`.
+    pub fn load_with(config: K3Config, src: &dyn TensorSource, backend: std::sync::Arc<dyn Backend>) -> Result<Model> {
         let cfg = &config;
         let root = Loader::new(src, format!("{LM_PREFIX}model."));
         let h = cfg.hidden_size;
@@ -129,7 +135,7 @@ impl Model {
             });
         }
         Ok(Model {
-            isa: Isa::best(),
+            backend,
             embed,
             lm_head,
             norm: root.vector("norm.weight", h)?,
@@ -137,6 +143,11 @@ impl Model {
             layers,
             config,
         })
+    }
+
+    /// The backend the model computes on.
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.backend
     }
 
     /// The config the model was loaded with.
@@ -174,11 +185,11 @@ impl Model {
         let cfg = &self.config;
         let layer = &self.layers[l];
         let eps = cfg.rms_norm_eps;
-        let h = attn_res::mix(self.isa, &res.anchors, &res.partial, &layer.attn_res, eps);
-        let x = rms_norm_rows(self.isa, &h, &layer.input_norm, eps);
+        let h = attn_res::mix(&*self.backend, &res.anchors, &res.partial, &layer.attn_res, eps);
+        let x = self.backend.rms_norm_rows(&h, &layer.input_norm, eps);
         let y = match (&layer.attention, state) {
-            (Attention::Kda(w), LayerState::Kda(s)) => w.forward(cfg, self.isa, &x, s),
-            (Attention::Mla(w), LayerState::Mla(c)) => w.forward(cfg, self.isa, &x, c)?,
+            (Attention::Kda(w), LayerState::Kda(s)) => w.forward(cfg, &*self.backend, &x, s),
+            (Attention::Mla(w), LayerState::Mla(c)) => w.forward(cfg, &*self.backend, &x, c)?,
             _ => panic!("layer state kind does not match layer {l}"),
         };
         if cfg.is_block_start(l) {
@@ -187,8 +198,8 @@ impl Model {
         } else {
             res.partial.add_assign(&y);
         }
-        let m = attn_res::mix(self.isa, &res.anchors, &res.partial, &layer.mlp_res, eps);
-        Ok(rms_norm_rows(self.isa, &m, &layer.post_norm, eps))
+        let m = attn_res::mix(&*self.backend, &res.anchors, &res.partial, &layer.mlp_res, eps);
+        Ok(self.backend.rms_norm_rows(&m, &layer.post_norm, eps))
     }
 
     /// Rewinds a layer's state so that only the first `keep` tokens of its last forward count.
@@ -196,7 +207,7 @@ impl Model {
     pub fn rewind(&self, state: &mut LayerState, keep: usize) -> Result<()> {
         match state {
             LayerState::Kda(s) => {
-                if !s.rewind(&self.config, self.isa, keep) {
+                if !s.rewind(&self.config, &*self.backend, keep) {
                     return Err(Error::ContextLimit(format!(
                         "cannot rewind to {keep} tokens: the last forward was not recorded or was shorter"
                     )));
@@ -285,7 +296,7 @@ impl Model {
     /// The dense MLP of layer `l` (panics on an MoE layer: a scheduling bug).
     pub fn dense_mlp(&self, l: usize, x: &Mat) -> Mat {
         match &self.layers[l].mlp {
-            Mlp::Dense(w) => w.forward(&self.config, x),
+            Mlp::Dense(w) => w.forward(&self.config, &*self.backend, x),
             Mlp::Moe(_) => panic!("layer {l} is an MoE layer"),
         }
     }
@@ -299,28 +310,28 @@ impl Model {
 
     /// Router of MoE layer `l`: the chosen experts per row.
     pub fn route(&self, l: usize, x: &Mat) -> Vec<Route> {
-        self.moe(l).route(&self.config, x)
+        self.moe(l).route(&self.config, &*self.backend, x)
     }
 
     /// The latent input of the routed experts.
     pub fn moe_latent_in(&self, l: usize, x: &Mat) -> Mat {
-        self.moe(l).latent_in(x)
+        self.moe(l).latent_in(&*self.backend, x)
     }
 
     /// One routed expert over latent rows, from its stored bytes.
     pub fn expert(&self, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
-        expert_forward(&self.config, self.isa, layout, bytes, z)
+        self.backend.expert_forward(&self.config, layout, bytes, z)
     }
 
     /// The shared experts of MoE layer `l` over its MLP input (`None` if it has none).
     pub fn moe_shared(&self, l: usize, x: &Mat) -> Option<Mat> {
-        self.moe(l).shared(&self.config, x)
+        self.moe(l).shared(&self.config, &*self.backend, x)
     }
 
     /// Latent norm and up-projection of the combined routed output, plus the shared experts'
     /// output from [`Model::moe_shared`].
     pub fn moe_finish(&self, l: usize, routed: Mat, shared: Option<Mat>) -> Mat {
-        self.moe(l).finish(&self.config, self.isa, routed, shared)
+        self.moe(l).finish(&self.config, &*self.backend, routed, shared)
     }
 
     /// Adds the MLP output to the residual's partial sum.
@@ -332,9 +343,9 @@ impl Model {
     pub fn logits(&self, res: &Residual, rows: std::ops::Range<usize>) -> Mat {
         let anchors: Vec<Mat> = res.anchors.iter().map(|a| a.rows_range(rows.start, rows.len())).collect();
         let partial = res.partial.rows_range(rows.start, rows.len());
-        let h = attn_res::mix(self.isa, &anchors, &partial, &self.output_res, self.config.rms_norm_eps);
-        let x = rms_norm_rows(self.isa, &h, &self.norm, self.config.rms_norm_eps);
-        matmul_bf16(&x, &self.lm_head)
+        let h = attn_res::mix(&*self.backend, &anchors, &partial, &self.output_res, self.config.rms_norm_eps);
+        let x = self.backend.rms_norm_rows(&h, &self.norm, self.config.rms_norm_eps);
+        self.backend.matmul_bf16(&x, &self.lm_head)
     }
 
     /// Bytes of spine weights this model borrows.

@@ -8,10 +8,11 @@
 use rayon::prelude::*;
 
 use super::loader::Loader;
+use crate::backend::Backend;
 use crate::config::{ExpertShape, K3Config};
 use crate::error::{Error, Result};
-use crate::kernels::{dot_mxfp4_inputs, matmul_bf16, permute_for_mxfp4, Isa, Mxfp4Matrix};
-use crate::math::{rms_norm_in_place, sigmoid, situ};
+use crate::kernels::{dot_mxfp4_inputs, permute_for_mxfp4, Isa, Mxfp4Matrix};
+use crate::math::{sigmoid, situ};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
@@ -31,13 +32,13 @@ impl GluWeights {
             down: l.matrix("down_proj.weight", h, inter)?,
         })
     }
-    pub fn forward(&self, cfg: &K3Config, x: &Mat) -> Mat {
-        let g = matmul_bf16(x, &self.gate);
-        let mut u = matmul_bf16(x, &self.up);
+    pub fn forward(&self, cfg: &K3Config, be: &dyn Backend, x: &Mat) -> Mat {
+        let g = be.matmul_bf16(x, &self.gate);
+        let mut u = be.matmul_bf16(x, &self.up);
         for (u, g) in u.data.iter_mut().zip(&g.data) {
             *u = situ(*u, *g, cfg.situ_beta, cfg.situ_linear_beta);
         }
-        matmul_bf16(&u, &self.down)
+        be.matmul_bf16(&u, &self.down)
     }
 }
 
@@ -68,28 +69,28 @@ impl MoeWeights {
         })
     }
 
-    pub fn route(&self, cfg: &K3Config, x: &Mat) -> Vec<Route> {
-        let logits = matmul_bf16(x, &self.router);
+    pub fn route(&self, cfg: &K3Config, be: &dyn Backend, x: &Mat) -> Vec<Route> {
+        let logits = be.matmul_bf16(x, &self.router);
         (0..x.rows).map(|t| route_one(cfg, logits.row(t), &self.bias)).collect()
     }
 
-    pub fn latent_in(&self, x: &Mat) -> Mat {
-        matmul_bf16(x, &self.down)
+    pub fn latent_in(&self, be: &dyn Backend, x: &Mat) -> Mat {
+        be.matmul_bf16(x, &self.down)
     }
 
     /// The shared experts over `x` (they need no expert bytes, so the engine runs them while
     /// routed experts are still being read).
-    pub fn shared(&self, cfg: &K3Config, x: &Mat) -> Option<Mat> {
-        self.shared.as_ref().map(|s| s.forward(cfg, x))
+    pub fn shared(&self, cfg: &K3Config, be: &dyn Backend, x: &Mat) -> Option<Mat> {
+        self.shared.as_ref().map(|s| s.forward(cfg, be, x))
     }
 
-    pub fn finish(&self, cfg: &K3Config, isa: Isa, mut routed: Mat, shared: Option<Mat>) -> Mat {
+    pub fn finish(&self, cfg: &K3Config, be: &dyn Backend, mut routed: Mat, shared: Option<Mat>) -> Mat {
         if let Some(w) = &self.norm {
             for t in 0..routed.rows {
-                rms_norm_in_place(isa, routed.row_mut(t), Some(w), cfg.rms_norm_eps);
+                be.rms_norm_in_place(routed.row_mut(t), Some(w), cfg.rms_norm_eps);
             }
         }
-        let mut y = matmul_bf16(&routed, &self.up);
+        let mut y = be.matmul_bf16(&routed, &self.up);
         if let Some(s) = shared {
             y.add_assign(&s);
         }

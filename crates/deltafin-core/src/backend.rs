@@ -1,0 +1,98 @@
+//! The compute seam: every operation a layer runs goes through a [`Backend`], so the model's code
+//! is the same whether the numbers are computed by these CPU kernels or, later, on a GPU.
+//!
+//! **The contract includes the order of every reduction.** A dot product accumulates element `i`
+//! into lane `i % 16` in ascending order and reduces the 16 lanes by one fixed tree; a matmul
+//! output is one such dot; an RMS norm is `x * w / sqrt(dot(x, x) / n + eps)`; an expert is
+//! evaluated as in [`crate::expert_forward`]. A backend that keeps this contract gives every bit
+//! the CPU reference gives, whatever the batch, the threads or the device, which is what lets
+//! prefill, decode, verification and batching agree exactly.
+
+use std::fmt;
+
+use crate::config::K3Config;
+use crate::error::Result;
+use crate::kernels::{dot_bf16, dot_f32, matmul_bf16_with, Isa};
+use crate::model::{expert_forward, ExpertLayout};
+use crate::tensor::Mat;
+use crate::weights::Bf16Matrix;
+
+/// The operations a model runs.
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// A short name for logs (`cpu-avx2`).
+    fn name(&self) -> String;
+    /// `X [t, cols] @ W[rows, cols]^T -> [t, rows]`, each output one dot in the fixed order.
+    fn matmul_bf16(&self, x: &Mat, w: &Bf16Matrix) -> Mat;
+    /// Dot of F32 values with BF16 bytes, in the fixed order.
+    fn dot_bf16(&self, x: &[f32], w: &[u8]) -> f32;
+    /// Dot of two F32 slices, in the fixed order.
+    fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32;
+    /// One routed expert over latent rows `z`, from its stored MXFP4 bytes.
+    fn expert_forward(&self, cfg: &K3Config, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat>;
+    /// One KDA delta-rule step for one head: `S <- diag(decay) S; S += beta k (v - S k)^T; o = S q`.
+    #[allow(clippy::too_many_arguments)]
+    fn kda_step(&self, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]);
+
+    /// `1 / sqrt(mean(x^2) + eps)`, the mean from [`Backend::dot_f32`].
+    fn inv_rms(&self, x: &[f32], eps: f32) -> f32 {
+        1.0 / (self.dot_f32(x, x) / x.len() as f32 + eps).sqrt()
+    }
+    /// RMS-normalizes `x` in place, then scales by `weight` if given.
+    fn rms_norm_in_place(&self, x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
+        let inv = self.inv_rms(x, eps);
+        match weight {
+            Some(w) => x.iter_mut().zip(w).for_each(|(v, w)| *v = *v * inv * w),
+            None => x.iter_mut().for_each(|v| *v *= inv),
+        }
+    }
+    /// Every row of `m` RMS-normalized and scaled by `weight`.
+    fn rms_norm_rows(&self, m: &Mat, weight: &[f32], eps: f32) -> Mat {
+        let mut out = m.clone();
+        for r in 0..out.rows {
+            self.rms_norm_in_place(out.row_mut(r), Some(weight), eps);
+        }
+        out
+    }
+}
+
+/// The CPU kernels on one instruction set (all give identical bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cpu {
+    isa: Isa,
+}
+
+impl Cpu {
+    /// The kernels on `isa`.
+    pub fn new(isa: Isa) -> Cpu {
+        Cpu { isa }
+    }
+    /// The fastest instruction set this CPU runs.
+    pub fn best() -> Cpu {
+        Cpu::new(Isa::best())
+    }
+    /// The instruction set in use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+}
+
+impl Backend for Cpu {
+    fn name(&self) -> String {
+        format!("cpu-{:?}", self.isa.kind()).to_lowercase()
+    }
+    fn matmul_bf16(&self, x: &Mat, w: &Bf16Matrix) -> Mat {
+        matmul_bf16_with(self.isa, x, w)
+    }
+    fn dot_bf16(&self, x: &[f32], w: &[u8]) -> f32 {
+        dot_bf16(self.isa, x, w)
+    }
+    fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32 {
+        dot_f32(self.isa, a, b)
+    }
+    fn expert_forward(&self, cfg: &K3Config, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
+        expert_forward(cfg, self.isa, layout, bytes, z)
+    }
+    fn kda_step(&self, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]) {
+        crate::model::recurrent_step(self.isa, s, q, k, v, decay, beta, o)
+    }
+}
