@@ -13,6 +13,7 @@ use std::fmt;
 use crate::config::K3Config;
 use crate::error::Result;
 use crate::kernels::{dot_bf16, dot_f32, matmul_bf16_with, Isa};
+use crate::math::softmax_in_place;
 use crate::model::{expert_forward, ExpertLayout};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
@@ -29,6 +30,21 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32;
     /// One routed expert over latent rows `z`, from its stored MXFP4 bytes.
     fn expert_forward(&self, cfg: &K3Config, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat>;
+    /// One MLA head's attention over every cached key: scores `(q_lat . latent[j] + q_pe . k_pe[j])
+    /// * scale` (two dots in the fixed order), a softmax in key order, the latent output
+    /// `sum_j p[j] * latent[j]` accumulated in key order, then the head's values: one BF16 dot of
+    /// that output with each row of `w_v` in `values`.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attend(
+        &self,
+        q_lat: &[f32],
+        q_pe: &[f32],
+        latent: &[f32],
+        k_pe: &[f32],
+        scale: f32,
+        w_v: &Bf16Matrix,
+        values: std::ops::Range<usize>,
+    ) -> Vec<f32>;
     /// One KDA delta-rule step for one head: `S <- diag(decay) S; S += beta k (v - S k)^T; o = S q`.
     #[allow(clippy::too_many_arguments)]
     fn kda_step(&self, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]);
@@ -94,5 +110,33 @@ impl Backend for Cpu {
     }
     fn kda_step(&self, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]) {
         crate::model::recurrent_step(self.isa, s, q, k, v, decay, beta, o)
+    }
+    fn mla_attend(
+        &self,
+        q_lat: &[f32],
+        q_pe: &[f32],
+        latent: &[f32],
+        k_pe: &[f32],
+        scale: f32,
+        w_v: &Bf16Matrix,
+        values: std::ops::Range<usize>,
+    ) -> Vec<f32> {
+        let (lora, rope) = (q_lat.len(), q_pe.len());
+        let n_keys = latent.len() / lora;
+        let mut scores: Vec<f32> = (0..n_keys)
+            .map(|j| {
+                let s =
+                    dot_f32(self.isa, q_lat, &latent[j * lora..(j + 1) * lora]) + dot_f32(self.isa, q_pe, &k_pe[j * rope..(j + 1) * rope]);
+                s * scale
+            })
+            .collect();
+        softmax_in_place(&mut scores);
+        let mut o_lat = vec![0f32; lora];
+        for (j, p) in scores.iter().enumerate() {
+            for (o, l) in o_lat.iter_mut().zip(&latent[j * lora..(j + 1) * lora]) {
+                *o += p * l;
+            }
+        }
+        values.map(|r| dot_bf16(self.isa, &o_lat, w_v.row(r))).collect()
     }
 }

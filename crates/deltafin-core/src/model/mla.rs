@@ -12,7 +12,7 @@ use super::loader::Loader;
 use crate::backend::Backend;
 use crate::config::K3Config;
 use crate::error::{Error, Result};
-use crate::math::{sigmoid, softmax_in_place};
+use crate::math::sigmoid;
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
@@ -139,21 +139,8 @@ impl MlaWeights {
                     }
                 }
                 let n_keys = past + t + 1;
-                let mut scores: Vec<f32> = (0..n_keys)
-                    .map(|j| {
-                        let s = be.dot_f32(&q_lat, &cache_ref.latent[j * lora..(j + 1) * lora])
-                            + be.dot_f32(q_pe, &cache_ref.k_pe[j * rope..(j + 1) * rope]);
-                        s * scale
-                    })
-                    .collect();
-                softmax_in_place(&mut scores);
-                let mut o_lat = vec![0f32; lora];
-                for (j, p) in scores.iter().enumerate() {
-                    for (o, l) in o_lat.iter_mut().zip(&cache_ref.latent[j * lora..(j + 1) * lora]) {
-                        *o += p * l;
-                    }
-                }
-                (0..vd).map(|i| be.dot_bf16(&o_lat, self.kv_b.row(h * per_head + nope + i))).collect()
+                let values = h * per_head + nope..h * per_head + nope + vd;
+                be.mla_attend(&q_lat, q_pe, &cache_ref.latent[..n_keys * lora], &cache_ref.k_pe[..n_keys * rope], scale, &self.kv_b, values)
             })
             .collect();
         let mut attn = Mat::zeros(t_len, heads * vd);
