@@ -108,6 +108,13 @@ fn crate_boundaries_hold() {
             }
         }
     }
+    // Wire formats live at the edges (the CLI's --stats-json, the server's JSON), not in the
+    // engine: it does not even depend on serde.
+    let sched = std::fs::read_to_string(root().join("crates/deltafin-sched/Cargo.toml")).unwrap();
+    let sched_deps = sched.split("[dependencies]").nth(1).unwrap_or("").split("\n[").next().unwrap_or("");
+    if sched_deps.lines().any(|l| l.starts_with("serde")) {
+        bad.push("deltafin-sched depends on serde: serializable formats belong to the CLI and the server".into());
+    }
     // The facade documents everything it adds.
     if !std::fs::read_to_string(root().join("crates/deltafin/src/lib.rs")).unwrap().contains("#![deny(missing_docs)]") {
         bad.push("crates/deltafin must #![deny(missing_docs)]".into());

@@ -2,6 +2,7 @@
 
 mod run;
 mod serve;
+mod stats_json;
 mod store_cmds;
 
 use anyhow::Result;

@@ -178,7 +178,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     if let Some(path) = &a.stats_json {
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&stats)?).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&crate::stats_json::stats_json(&stats))?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, path)?;
     }
     Ok(())

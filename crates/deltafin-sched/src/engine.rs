@@ -222,11 +222,25 @@ impl Engine {
         seq: &mut Sequence,
         prompt: &[u32],
         opts: &GenerateOptions,
+        on_step: impl FnMut(Step<'_>) -> bool,
+    ) -> Result<Stats> {
+        self.generate_keeping(seq, prompt, opts, on_step, |_| {})
+    }
+
+    /// [`Engine::generate_with`] that hands `after_prompt` the sequence right after the prompt
+    /// ran (a generator keeps a copy there for the next turn of a conversation).
+    pub(crate) fn generate_keeping(
+        &self,
+        seq: &mut Sequence,
+        prompt: &[u32],
+        opts: &GenerateOptions,
         mut on_step: impl FnMut(Step<'_>) -> bool,
+        after_prompt: impl FnOnce(&Sequence),
     ) -> Result<Stats> {
         let start = Instant::now();
         let before = self.experts.stats();
         let (logits, rep) = self.forward_inner(seq, prompt, LogitRows::Last, opts.cancel.as_ref(), opts.max_new > 1)?;
+        after_prompt(seq);
         let after_prefill = self.experts.stats();
         let ttft = start.elapsed();
         let mut stats = Stats { prompt_tokens: prompt.len(), ttft_s: ttft.as_secs_f64(), ..Default::default() };

@@ -3,14 +3,13 @@
 //! one [`Output`] trait that the CLI, the server and embedders share.
 //!
 //! **Prefix reuse.** The generator keeps the sequence of its last generation and a copy taken
-//! right after that generation's prompt. A new prompt that extends either (a chat follow-up
+//! right after that generation's prompt (inside the generation, so the prompt still runs in one
+//! pass). A new prompt that extends either (a chat follow-up
 //! extends the prompt; it rarely extends the generated tokens exactly, since replies are
 //! re-rendered) runs only its new tokens. The kernels are batch-invariant, so the continuation is
 //! bit-identical to a cold run.
 
-use std::time::Instant;
-
-use crate::engine::{GenerateOptions, LogitRows, Step};
+use crate::engine::{GenerateOptions, Step};
 use crate::error::{Error, Result};
 use crate::open::LoadedModel;
 use crate::sequence::Sequence;
@@ -63,9 +62,9 @@ impl<'m> Generator<'m> {
     /// where `prompt` extends it. Ends at a stop id, after `opts.max_new` tokens, at the context
     /// limit, when `out` says so, or with [`Error::Cancelled`] once `opts.cancel` is set.
     pub fn generate(&mut self, prompt: &[u32], opts: &GenerateOptions, out: &mut dyn Output) -> Result<Stats> {
-        let Some((&last, body)) = prompt.split_last() else {
+        if prompt.is_empty() {
             return Err(Error::Invalid("the prompt is empty".into()));
-        };
+        }
         let extends =
             |s: &Sequence| s.ids().len() < prompt.len() && prompt.starts_with(s.ids()) && prompt.len() + opts.max_new <= s.context_limit();
         let mut seq = match (self.full.take(), self.after_prompt.take()) {
@@ -75,21 +74,14 @@ impl<'m> Generator<'m> {
         };
         let cached = seq.ids().len();
         out.begin(cached);
-        // All but the last prompt token first, and a copy kept there: the next prompt of a chat
-        // extends this one. The split changes no bit of the output (batch-invariant kernels).
-        let t0 = Instant::now();
-        if body.len() > cached {
-            self.model.engine().forward_with(&mut seq, &body[cached..], LogitRows::Last, opts.cancel.as_ref())?;
-        }
-        let body_secs = t0.elapsed().as_secs_f64();
-        self.after_prompt = Some(seq.clone());
-        let result = self.model.engine().generate_with(&mut seq, &[last], opts, |s| out.token(s));
+        // The new part of the prompt runs in one pass; a copy of the state is kept right after
+        // it, since the next prompt of a chat extends this one.
+        let mut kept = None;
+        let result = self.model.engine().generate_keeping(&mut seq, &prompt[cached..], opts, |s| out.token(s), |s| kept = Some(s.clone()));
+        self.after_prompt = kept;
         match result {
             Ok(mut stats) => {
-                stats.prompt_tokens = prompt.len() - cached;
                 stats.cached_tokens = cached;
-                stats.ttft_s += body_secs;
-                stats.total_s += body_secs;
                 self.full = Some(seq);
                 out.finish(&stats);
                 Ok(stats)

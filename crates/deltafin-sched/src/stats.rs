@@ -1,9 +1,11 @@
-//! Generation statistics, with the field names `deltafin run --stats-json` documents.
+//! Generation statistics. Their wire formats live at the edges: `deltafin run --stats-json`
+//! (the CLI) and the server's `timings`.
 
 use deltafin_store::HomeStats;
 
 /// What one generation cost and where the time went.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct Stats {
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
@@ -42,7 +44,6 @@ pub struct Stats {
     /// Steps that prefetched the next token's first MoE layer.
     pub boundary_guesses: u64,
     /// Reads and bytes per drive.
-    #[serde(serialize_with = "ser_homes")]
     pub per_drive: Vec<HomeStats>,
     /// Peak resident set of the process so far.
     pub peak_rss_bytes: u64,
@@ -50,32 +51,6 @@ pub struct Stats {
     pub context_limit_reached: bool,
     /// Leading prompt tokens reused from state a [`crate::Generator`] kept (not run again).
     pub cached_tokens: usize,
-}
-
-fn ser_homes<S: serde::Serializer>(v: &[HomeStats], s: S) -> std::result::Result<S::Ok, S::Error> {
-    use serde::ser::SerializeSeq;
-    let mut seq = s.serialize_seq(Some(v.len()))?;
-    for h in v {
-        seq.serialize_element(&HomeJson {
-            path: &h.path,
-            reads: h.reads,
-            bytes: h.bytes,
-            errors: h.errors,
-            rate_bytes_s: h.rate,
-            busy_s: h.busy_s,
-        })?;
-    }
-    seq.end()
-}
-
-#[derive(serde::Serialize)]
-struct HomeJson<'a> {
-    path: &'a str,
-    reads: u64,
-    bytes: u64,
-    errors: u64,
-    rate_bytes_s: f64,
-    busy_s: f64,
 }
 
 impl Stats {

@@ -44,9 +44,9 @@ fn a_follow_up_reuses_kept_state_with_the_ids_of_a_cold_run() {
     second.extend([5, 6, 7, 8, 9, 10]);
     let mut turn2 = Record::default();
     let stats = warm.generate(&second, &opts, &mut turn2).unwrap();
-    assert_eq!(turn2.cached, Some(first.len() - 1), "the state after the first prompt is reused");
-    assert_eq!(stats.cached_tokens, first.len() - 1);
-    assert_eq!(stats.prompt_tokens, second.len() - (first.len() - 1));
+    assert_eq!(turn2.cached, Some(first.len()), "the state after the first prompt is reused");
+    assert_eq!(stats.cached_tokens, first.len());
+    assert_eq!(stats.prompt_tokens, second.len() - first.len());
     let mut cold = Record::default();
     Generator::new(&model).generate(&second, &opts, &mut cold).unwrap();
     assert_eq!(turn2.ids, cold.ids, "reuse changed the output");
