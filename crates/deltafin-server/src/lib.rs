@@ -11,6 +11,7 @@
 mod metrics;
 mod output;
 mod request;
+mod turn;
 mod worker;
 
 use std::convert::Infallible;
@@ -31,9 +32,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::unbounded_channel;
 
 use crate::metrics::Metrics;
-use crate::output::{chat_logprob, Part, Splitter};
+use crate::output::{chat_logprob, Part};
 pub use crate::request::{parse as parse_request, ApiError};
 use crate::request::{Prompt, Request};
+use crate::turn::{Item, TurnEvents};
 use crate::worker::{Event, Job, Queue};
 
 /// Server errors (binding, serving).
@@ -308,11 +310,9 @@ async fn whole_response(
     guard: CancelOnDrop,
 ) -> Response {
     let tok = model.tokenizer();
-    let mut split = Splitter::new(model.clone(), turn.chat, turn.req.stop.clone());
+    let mut events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), guard.0.clone());
     let (mut content, mut reasoning) = (String::new(), String::new());
     let mut lps = vec![];
-    let mut generated = 0;
-    let mut cached = 0;
     let add = |parts: Vec<(Part, String)>, content: &mut String, reasoning: &mut String| {
         for (p, t) in parts {
             match p {
@@ -321,35 +321,30 @@ async fn whole_response(
             }
         }
     };
-    // `done` stays None when a stop string cancelled the worker mid-step (no Done event comes).
-    let mut done = None;
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Started { cached_tokens } => cached = cached_tokens,
-            Event::Token { id, logprob, top } => {
-                if split.stopped() {
-                    continue;
+    let mut finish = "stop";
+    // `done` stays None when a stop string cancelled the worker mid-step (no stats come).
+    let mut done: Option<Box<Stats>> = None;
+    while !events.done {
+        let ev = rx.recv().await;
+        for item in events.on_event(ev) {
+            match item {
+                Item::Started => {}
+                Item::Token { id, logprob, parts } => {
+                    if let Some((lp, top)) = logprob {
+                        lps.push((id, lp, top));
+                    }
+                    add(parts, &mut content, &mut reasoning);
                 }
-                generated += 1;
-                let parts = split.push(id);
-                if let Some(lp) = logprob {
-                    lps.push((id, lp, top));
+                Item::Text(parts) => add(parts, &mut content, &mut reasoning),
+                Item::Finished { reason, stats } => {
+                    finish = reason;
+                    done = stats;
                 }
-                add(parts, &mut content, &mut reasoning);
-                if split.stopped() {
-                    guard.0.cancel();
-                }
+                Item::Failed(msg) => return error(&s, api_error(500, "server_error", msg)),
             }
-            Event::Done { stats, cached_tokens, hit_stop_id } => {
-                cached = cached_tokens;
-                done = Some((stats, hit_stop_id));
-                break;
-            }
-            Event::Failed(msg) => return error(&s, api_error(500, "server_error", msg)),
         }
     }
-    add(split.finish(), &mut content, &mut reasoning);
-    let finish = if split.stopped() || done.as_ref().is_none_or(|d| d.1) { "stop" } else { "length" };
+    let (generated, cached) = (events.generated, events.cached);
     let mut body = if turn.chat {
         let mut msg = json!({"role": "assistant", "content": content});
         if !reasoning.is_empty() {
@@ -368,7 +363,7 @@ async fn whole_response(
             "choices": [{"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish}]})
     };
     body["usage"] = usage(&turn, generated, cached);
-    if let Some((stats, _)) = &done {
+    if let Some(stats) = &done {
         body["timings"] = timings(stats, cached);
     }
     Json(body).into_response()
@@ -424,67 +419,54 @@ fn empty_delta(turn: &Turn) -> Value {
 /// State of one SSE response between events.
 struct StreamState {
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
-    guard: CancelOnDrop,
+    _guard: CancelOnDrop,
     turn: Turn,
     model: Arc<LoadedModel>,
-    split: Splitter,
-    generated: usize,
-    cached: usize,
-    done: bool,
+    events: TurnEvents,
     queue: std::collections::VecDeque<Value>,
 }
 
 impl StreamState {
-    /// Turns one worker event into chunks; `true` when the response is complete.
+    /// Turns one worker event into chunks.
     fn on_event(&mut self, ev: Option<Event>) {
         let tok = self.model.tokenizer();
         let turn = &self.turn;
-        match ev {
-            Some(Event::Started { cached_tokens }) => {
-                self.cached = cached_tokens;
-                if turn.chat {
-                    self.queue.push_back(chunk(turn, json!({"role": "assistant", "content": ""}), Value::Null, None));
-                }
-            }
-            Some(Event::Token { id, logprob, top }) => {
-                if self.split.stopped() {
-                    return;
-                }
-                self.generated += 1;
-                let mut lp = match logprob {
-                    Some(l) if turn.chat => json!({"content": [chat_logprob(tok, id, l, &top)]}),
-                    Some(l) => completion_logprobs(tok, &[(id, l, top)]),
-                    None => Value::Null,
-                };
-                for (p, t) in self.split.push(id) {
-                    self.queue.push_back(chunk(turn, delta(turn, p, t), std::mem::take(&mut lp), None));
-                }
-                if self.split.stopped() {
-                    self.guard.0.cancel();
-                    self.queue.push_back(chunk(turn, empty_delta(turn), Value::Null, Some("stop")));
-                    if turn.req.include_usage {
-                        self.queue.push_back(usage_chunk(turn, self.generated, self.cached));
+        for item in self.events.on_event(ev) {
+            match item {
+                Item::Started => {
+                    if turn.chat {
+                        self.queue.push_back(chunk(turn, json!({"role": "assistant", "content": ""}), Value::Null, None));
                     }
-                    self.done = true;
+                }
+                Item::Token { id, logprob, parts } => {
+                    let mut lp = match logprob {
+                        Some((l, top)) if turn.chat => json!({"content": [chat_logprob(tok, id, l, &top)]}),
+                        Some((l, top)) => completion_logprobs(tok, &[(id, l, top)]),
+                        None => Value::Null,
+                    };
+                    for (p, t) in parts {
+                        self.queue.push_back(chunk(turn, delta(turn, p, t), std::mem::take(&mut lp), None));
+                    }
+                }
+                Item::Text(parts) => {
+                    for (p, t) in parts {
+                        self.queue.push_back(chunk(turn, delta(turn, p, t), Value::Null, None));
+                    }
+                }
+                Item::Finished { reason, stats } => {
+                    let mut last = chunk(turn, empty_delta(turn), Value::Null, Some(reason));
+                    if let Some(stats) = &stats {
+                        last["timings"] = timings(stats, self.events.cached);
+                    }
+                    self.queue.push_back(last);
+                    if turn.req.include_usage {
+                        self.queue.push_back(usage_chunk(turn, self.events.generated, self.events.cached));
+                    }
+                }
+                Item::Failed(msg) => {
+                    self.queue.push_back(json!({"error": {"message": msg, "type": "server_error", "param": null, "code": null}}));
                 }
             }
-            Some(Event::Done { stats, cached_tokens, hit_stop_id }) => {
-                for (p, t) in self.split.finish() {
-                    self.queue.push_back(chunk(turn, delta(turn, p, t), Value::Null, None));
-                }
-                let mut last = chunk(turn, empty_delta(turn), Value::Null, Some(if hit_stop_id { "stop" } else { "length" }));
-                last["timings"] = timings(&stats, cached_tokens);
-                self.queue.push_back(last);
-                if turn.req.include_usage {
-                    self.queue.push_back(usage_chunk(turn, self.generated, cached_tokens));
-                }
-                self.done = true;
-            }
-            Some(Event::Failed(msg)) => {
-                self.queue.push_back(json!({"error": {"message": msg, "type": "server_error", "param": null, "code": null}}));
-                self.done = true;
-            }
-            None => self.done = true,
         }
     }
 }
@@ -495,8 +477,8 @@ fn async_stream(
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     guard: CancelOnDrop,
 ) -> impl futures_util::Stream<Item = Result<SseEvent, Infallible>> {
-    let split = Splitter::new(model.clone(), turn.chat, turn.req.stop.clone());
-    let state = StreamState { rx, guard, turn, model, split, generated: 0, cached: 0, done: false, queue: Default::default() };
+    let events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), guard.0.clone());
+    let state = StreamState { rx, _guard: guard, turn, model, events, queue: Default::default() };
     futures_util::stream::unfold((state, false), |(mut st, finished)| async move {
         loop {
             if let Some(v) = st.queue.pop_front() {
@@ -505,7 +487,7 @@ fn async_stream(
             if finished {
                 return None;
             }
-            if st.done {
+            if st.events.done {
                 return Some((Ok(SseEvent::default().data("[DONE]")), (st, true)));
             }
             let ev = st.rx.recv().await;
