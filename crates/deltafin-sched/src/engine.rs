@@ -110,13 +110,22 @@ impl Engine {
     }
 
     /// The spine.
+    #[doc(hidden)]
     pub fn model(&self) -> &Model {
         &self.model
     }
 
     /// The expert source.
+    #[doc(hidden)]
     pub fn experts(&self) -> &Arc<dyn ExpertSource> {
         &self.experts
+    }
+
+    /// Cuts `seq` back to its first `len` tokens, which must lie within its latest step (a verify
+    /// step, or any step of a sequence recording all: [`Sequence::set_recording`]); the state is
+    /// then bit-identical to a sequence that consumed only those tokens.
+    pub fn rewind(&self, seq: &mut Sequence, len: usize) -> Result<()> {
+        Ok(seq.rewind_to(&self.model, len)?)
     }
 
     /// The options in force.

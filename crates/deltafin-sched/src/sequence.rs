@@ -31,6 +31,7 @@ impl Sequence {
         &self.ids
     }
     /// The per-layer state (read only: for checks that two sequences are bit-identical).
+    #[doc(hidden)]
     pub fn layer_states(&self) -> &[LayerState] {
         &self.layers
     }
@@ -90,6 +91,7 @@ impl Sequence {
     /// Drops the tokens after the first `len`, which must lie within the latest (recorded)
     /// forward pass. Costs only the KDA recurrence of the kept tokens: no projection, no read.
     /// The state is then bit-identical to a sequence that consumed just those `len` tokens.
+    #[doc(hidden)]
     pub fn rewind_to(&mut self, model: &Model, len: usize) -> Result<(), deltafin_core::Error> {
         let first = self.ids.len() - self.last_pass;
         if len < first || len > self.ids.len() {

@@ -100,7 +100,7 @@ fn a_recorded_forward_rewinds_to_any_prefix_bit_exactly() {
         model.engine().forward(&mut a, prompt, LogitRows::Last).unwrap();
         a.set_recording(true);
         model.engine().forward(&mut a, drafts, LogitRows::All).unwrap();
-        a.rewind_to(model.engine().model(), prompt.len() + keep).unwrap();
+        model.engine().rewind(&mut a, prompt.len() + keep).unwrap();
         a.set_recording(false);
         // Reference: a sequence that only ever saw the kept tokens.
         let mut b = model.new_sequence();
@@ -116,5 +116,5 @@ fn a_recorded_forward_rewinds_to_any_prefix_bit_exactly() {
     let mut c = model.new_sequence();
     model.engine().forward(&mut c, prompt, LogitRows::Last).unwrap();
     model.engine().forward(&mut c, drafts, LogitRows::Last).unwrap();
-    assert!(c.rewind_to(model.engine().model(), 3).is_err());
+    assert!(model.engine().rewind(&mut c, 3).is_err());
 }

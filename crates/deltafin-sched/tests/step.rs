@@ -62,7 +62,7 @@ fn a_verify_step_cut_back_to_any_prefix_equals_never_running_it() {
     for keep in 0..=drafts.len() {
         let mut a = after(&model, &prompt);
         model.engine().step(&mut [Slot::new(&mut a, &drafts, Phase::Verify)], None).unwrap();
-        a.rewind_to(model.engine().model(), prompt.len() + keep).unwrap();
+        model.engine().rewind(&mut a, prompt.len() + keep).unwrap();
         let mut whole = prompt.clone();
         whole.extend_from_slice(&drafts[..keep]);
         let b = after(&model, &whole);

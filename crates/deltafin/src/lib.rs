@@ -24,7 +24,8 @@
 //! - Stores: [`setup`] installs a checkpoint over drives, [`doctor`] checks one, [`repair`] fixes one.
 //!
 //! Types that may gain fields or variants are `#[non_exhaustive]`; options are built with
-//! methods taking plain values.
+//! methods taking plain values. Items marked `#[doc(hidden)]` below the engine (its model and
+//! expert source, a sequence's raw layer states) serve tests and tools, not the stable API.
 #![deny(missing_docs)]
 
 use std::path::Path;
@@ -37,7 +38,7 @@ pub use deltafin_sched::{
     argmax, CacheMode, CachePolicy, Cancel, Engine, EngineBuilder, Error, GenerateOptions, Generator, LoadedModel, LogitRows, MemoryPlan,
     OnToken, Output, Phase, Result, Sequence, Slot, Stats, Step, StepOutput, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
 };
-pub use deltafin_store::{DoctorReport, ExpertLayoutKind, NoProgress, Progress, SetupOptions, DEFAULT_SPLIT_MIN};
+pub use deltafin_store::{DoctorReport, ExpertLayoutKind, HomeStats, NoProgress, Progress, SetupOptions, DEFAULT_SPLIT_MIN};
 
 /// What a store holds, as [`setup`] and [`repair`] leave it.
 #[derive(Clone, Debug)]
