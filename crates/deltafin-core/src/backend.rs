@@ -18,6 +18,17 @@ use crate::model::{expert_forward, ExpertLayout};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
+/// One MLA head's query against the cache: the query in the latent space and its rotary part,
+/// the cached latents and rotary keys (`[keys][lora]`, `[keys][rope]`), and the score scale.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaHead<'a> {
+    pub q_lat: &'a [f32],
+    pub q_pe: &'a [f32],
+    pub latent: &'a [f32],
+    pub k_pe: &'a [f32],
+    pub scale: f32,
+}
+
 /// The operations a model runs.
 pub trait Backend: Send + Sync + fmt::Debug {
     /// A short name for logs (`cpu-avx2`).
@@ -34,17 +45,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// * scale` (two dots in the fixed order), a softmax in key order, the latent output
     /// `sum_j p[j] * latent[j]` accumulated in key order, then the head's values: one BF16 dot of
     /// that output with each row of `w_v` in `values`.
-    #[allow(clippy::too_many_arguments)]
-    fn mla_attend(
-        &self,
-        q_lat: &[f32],
-        q_pe: &[f32],
-        latent: &[f32],
-        k_pe: &[f32],
-        scale: f32,
-        w_v: &Bf16Matrix,
-        values: std::ops::Range<usize>,
-    ) -> Vec<f32>;
+    fn mla_attend(&self, head: MlaHead<'_>, w_v: &Bf16Matrix, values: std::ops::Range<usize>) -> Vec<f32>;
     /// One KDA delta-rule step for one head: `S <- diag(decay) S; S += beta k (v - S k)^T; o = S q`.
     #[allow(clippy::too_many_arguments)]
     fn kda_step(&self, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]);
@@ -111,16 +112,8 @@ impl Backend for Cpu {
     fn kda_step(&self, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]) {
         crate::model::recurrent_step(self.isa, s, q, k, v, decay, beta, o)
     }
-    fn mla_attend(
-        &self,
-        q_lat: &[f32],
-        q_pe: &[f32],
-        latent: &[f32],
-        k_pe: &[f32],
-        scale: f32,
-        w_v: &Bf16Matrix,
-        values: std::ops::Range<usize>,
-    ) -> Vec<f32> {
+    fn mla_attend(&self, head: MlaHead<'_>, w_v: &Bf16Matrix, values: std::ops::Range<usize>) -> Vec<f32> {
+        let MlaHead { q_lat, q_pe, latent, k_pe, scale } = head;
         let (lora, rope) = (q_lat.len(), q_pe.len());
         let n_keys = latent.len() / lora;
         let mut scores: Vec<f32> = (0..n_keys)

@@ -28,7 +28,7 @@ mod tokenizer;
 mod weights;
 
 pub use crate::{
-    backend::{Backend, Cpu},
+    backend::{Backend, Cpu, MlaHead},
     chat::{ChatFormat, Message, Role},
     config::{AttentionKind, ExpertShape, K3Config, MlpKind},
     error::{Error, Result},

@@ -164,7 +164,16 @@ impl Engine {
                     } else {
                         None
                     };
-                    self.moe_layer(l, &x, guess, &mut report)?
+                    let out = self.moe_layer(l, &x, guess, &mut report)?;
+                    #[cfg(test)]
+                    if slots.len() == 1 {
+                        tests::MOE_HOOK.with(|h| {
+                            if let Some(f) = h.borrow_mut().as_mut() {
+                                f(model, l, &mut slots[0].seq.layers, &res[0], &x, &out);
+                            }
+                        });
+                    }
+                    out
                 }
             };
             let mut row = 0;
@@ -239,5 +248,105 @@ impl Engine {
             combine.add(e, rows, &y);
         }
         Ok(model.moe_finish(l, combine.finish(), shared))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The prefetch guesses, checked inside the real layer walk: a hook sees each MoE layer's
+    //! input and complete output (for a lone slot) before the output joins the residual.
+
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use deltafin_core::{argmax, LayerState, Mat, Model, Residual, Route};
+
+    use super::{Phase, Slot};
+    use crate::EngineBuilder;
+
+    type MoeHook = Box<dyn FnMut(&Model, usize, &mut [LayerState], &Residual, &Mat, &Mat)>;
+    /// A guessed MoE layer and its routes.
+    type Guessed = Option<(usize, Vec<Route>)>;
+
+    thread_local! {
+        pub(super) static MOE_HOOK: RefCell<Option<MoeHook>> = const { RefCell::new(None) };
+    }
+
+    fn with_hook<T>(hook: MoeHook, run: impl FnOnce() -> T) -> T {
+        MOE_HOOK.with(|h| *h.borrow_mut() = Some(hook));
+        let out = run();
+        MOE_HOOK.with(|h| *h.borrow_mut() = None);
+        out
+    }
+
+    fn fixture() -> std::path::PathBuf {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
+    }
+
+    /// The fixture's model (no prefetch, so nothing but the hook guesses) with a short prompt run.
+    fn after_a_prompt() -> (crate::LoadedModel, crate::Sequence) {
+        let loaded = EngineBuilder::new(fixture()).prefetch(false).open().unwrap();
+        let mut seq = loaded.new_sequence();
+        loaded.engine().step(&mut [Slot::new(&mut seq, &[78, 544, 115, 815, 284], Phase::Prompt)], None).unwrap();
+        (loaded, seq)
+    }
+
+    #[test]
+    fn a_next_layer_guess_from_the_complete_output_is_the_true_routing_and_leaves_the_state_alone() {
+        let (loaded, mut seq) = after_a_prompt();
+        let pending: Rc<RefCell<(Guessed, usize)>> = Default::default();
+        let p = pending.clone();
+        with_hook(
+            Box::new(move |m, l, layers, res, x, out| {
+                let mut p = p.borrow_mut();
+                if let Some((gl, routes)) = p.0.take() {
+                    assert_eq!(gl, l);
+                    assert_eq!(routes, m.route(l, x), "layer {l}: a guess from the complete output is the true routing");
+                    p.1 += 1;
+                }
+                let cfg = m.config();
+                if l + 1 < cfg.num_layers && cfg.mlp[l + 1] == deltafin_core::MlpKind::Moe {
+                    let before = layers[l + 1].clone();
+                    let guess = m.guess_routes(l + 1, &mut layers[l + 1], res, out).unwrap();
+                    assert_eq!(layers[l + 1], before, "layer {}: guessing changed the state", l + 1);
+                    assert_eq!(guess[0].experts.len(), cfg.experts_per_token);
+                    p.0 = Some((l + 1, guess));
+                }
+            }),
+            || loaded.engine().step(&mut [Slot::new(&mut seq, &[101], Phase::Decode)], None).unwrap(),
+        );
+        assert!(pending.borrow().1 > 0, "the fixture has consecutive MoE layers");
+    }
+
+    #[test]
+    fn a_next_token_guess_from_the_complete_output_is_the_true_routing_and_leaves_the_state_alone() {
+        let (loaded, mut seq) = after_a_prompt();
+        let guess: Rc<RefCell<Guessed>> = Default::default();
+        let g = guess.clone();
+        let out = with_hook(
+            Box::new(move |m, l, layers, res, _x, out| {
+                if l + 1 == m.config().num_layers {
+                    let before = layers.to_vec();
+                    *g.borrow_mut() = m.guess_next_token_routes(layers, res, out).unwrap();
+                    assert!(layers == before.as_slice(), "guessing changed the state");
+                }
+            }),
+            || loaded.engine().step(&mut [Slot::new(&mut seq, &[101], Phase::Decode)], None).unwrap(),
+        );
+        let (first, routes) = guess.borrow_mut().take().expect("the last layer is an MoE layer");
+        // The real next token: its first MoE layer routes as guessed.
+        let next = argmax(out.logits[0].row(0));
+        let seen = Rc::new(RefCell::new(false));
+        let s = seen.clone();
+        with_hook(
+            Box::new(move |m, l, _layers, _res, x, _out| {
+                if l == first {
+                    assert_eq!(m.route(l, x), routes, "a guess from the complete output is the true routing");
+                    *s.borrow_mut() = true;
+                }
+            }),
+            || loaded.engine().step(&mut [Slot::new(&mut seq, &[next], Phase::Decode)], None).unwrap(),
+        );
+        assert!(*seen.borrow());
     }
 }

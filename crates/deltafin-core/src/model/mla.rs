@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 
 use super::loader::Loader;
-use crate::backend::Backend;
+use crate::backend::{Backend, MlaHead};
 use crate::config::K3Config;
 use crate::error::{Error, Result};
 use crate::math::sigmoid;
@@ -140,7 +140,14 @@ impl MlaWeights {
                 }
                 let n_keys = past + t + 1;
                 let values = h * per_head + nope..h * per_head + nope + vd;
-                be.mla_attend(&q_lat, q_pe, &cache_ref.latent[..n_keys * lora], &cache_ref.k_pe[..n_keys * rope], scale, &self.kv_b, values)
+                let head = MlaHead {
+                    q_lat: &q_lat,
+                    q_pe,
+                    latent: &cache_ref.latent[..n_keys * lora],
+                    k_pe: &cache_ref.k_pe[..n_keys * rope],
+                    scale,
+                };
+                be.mla_attend(head, &self.kv_b, values)
             })
             .collect();
         let mut attn = Mat::zeros(t_len, heads * vd);
