@@ -3,8 +3,15 @@
 //! Exactness rule: a draft token is accepted only if it equals K3's own greedy choice at that
 //! position, computed by the same batch-invariant kernels as plain decoding; the first mismatch
 //! is replaced by K3's choice. Output is therefore identical, token for token, to decoding without
-//! a drafter. This crate holds that rule ([`verify_greedy`]) and the [`Drafter`] interface; the
-//! drafters themselves and the engine integration (rollback of the rejected suffix) come next.
+//! a drafter. This crate holds that rule ([`verify_greedy`]), the [`Drafter`] interface,
+//! model-free drafters (`drafters.rs`) and generation with drafts on the engine's verify step
+//! ([`generate`]); a draft model, the cost gate and the front ends' flags come next.
+
+mod drafters;
+mod speculate;
+
+pub use drafters::{FlakyDrafter, NgramDrafter, OracleDrafter, RandomDrafter};
+pub use speculate::{generate, SpecStats};
 
 use deltafin_core::{argmax, Mat};
 
@@ -12,6 +19,10 @@ use deltafin_core::{argmax, Mat};
 pub trait Drafter {
     /// Up to `n` guessed ids following `context`.
     fn draft(&mut self, context: &[u32], n: usize) -> Vec<u32>;
+    /// How the last draft fared: `accepted` of its `drafted` tokens were K3's choices.
+    fn accepted(&mut self, drafted: usize, accepted: usize) {
+        let _ = (drafted, accepted);
+    }
 }
 
 /// The outcome of verifying one draft.
