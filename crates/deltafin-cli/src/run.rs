@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use deltafin::{EngineBuilder, GenerateOptions, Generator, LoadedModel, LogitRows, OnToken, Step};
+use deltafin::{EngineBuilder, GenerateOptions, Generator, LoadedModel, LogitRows, NgramDrafter, OnToken, Step};
 use deltafin::{Message, Role};
 
 /// Options shared by every command that opens a model.
@@ -91,6 +91,13 @@ pub struct RunArgs {
     /// Write the stats as JSON to this file.
     #[arg(long)]
     pub stats_json: Option<PathBuf>,
+    /// Draft tokens for K3 to verify (speculative decoding; the output is identical): `ngram`
+    /// (prompt lookup over the text so far).
+    #[arg(long, value_parser = ["ngram"])]
+    pub draft: Option<String>,
+    /// Most drafted tokens verified per step.
+    #[arg(long, default_value_t = 4)]
+    pub draft_max: usize,
 }
 
 fn prompt_ids(model: &LoadedModel, a: &RunArgs) -> Result<Vec<u32>> {
@@ -122,12 +129,16 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty: give --prompt TEXT, --ids 1,2,3, or text on stdin");
     }
     let stop_ids = if a.chat { model.chat()?.stop_ids() } else { Vec::new() };
-    let opts = GenerateOptions::new(a.max_new).stop_ids(stop_ids);
+    let opts = GenerateOptions::new(a.max_new).stop_ids(stop_ids).draft_max(a.draft_max);
     let mut out = std::io::stdout().lock();
     let mut dec = model.tokenizer().stream();
     let mut ids = Vec::new();
     let mut write_err = None;
-    let stats = Generator::new(&model).generate(
+    let mut generator = Generator::new(&model);
+    if a.draft.as_deref() == Some("ngram") {
+        generator.set_drafter(Some(Box::new(NgramDrafter::default())));
+    }
+    let stats = generator.generate(
         &prompt,
         &opts,
         &mut OnToken(|s: Step<'_>| {

@@ -31,5 +31,9 @@ pub fn stats_json(s: &Stats) -> Value {
         "peak_rss_bytes": s.peak_rss_bytes,
         "context_limit_reached": s.context_limit_reached,
         "cached_tokens": s.cached_tokens,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "verifies": s.verifies,
+        "acceptance_rate": if s.drafted > 0 { s.accepted as f64 / s.drafted as f64 } else { 0.0 },
     })
 }

@@ -16,6 +16,9 @@ fn run_prints_reference_ids_from_ids_text_and_stdin() {
     assert_eq!(out.trim(), REFERENCE_GREEDY);
     let out = ok(bin().args(["run", "--model"]).arg(&f).args(["--prompt", PROMPT_TEXT, "--max-new", "16", "--print-ids"]));
     assert_eq!(out.trim(), REFERENCE_GREEDY);
+    // Drafts change the number of steps, never the ids.
+    let out = ok(bin().args(["run", "--model"]).arg(&f).args(["--ids", PROMPT_IDS, "--max-new", "16", "--print-ids", "--draft", "ngram"]));
+    assert_eq!(out.trim(), REFERENCE_GREEDY);
     let mut child = bin()
         .args(["run", "--model"])
         .arg(&f)

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::sequence::Sequence;
 use crate::stats::{peak_rss_bytes, Stats};
 use crate::step::{Phase, Slot};
+use deltafin_spec::{verify_greedy, Drafter};
 
 /// How many of the last layer's expert reads are still outstanding when the next token's guess
 /// is made: it runs the logits and the next token's first layers (about twice a layer guess's
@@ -233,16 +234,32 @@ impl Engine {
         opts: &GenerateOptions,
         on_step: impl FnMut(Step<'_>) -> bool,
     ) -> Result<Stats> {
-        self.generate_keeping(seq, prompt, opts, on_step, |_| {})
+        self.generate_keeping(seq, prompt, opts, None, on_step, |_| {})
     }
 
-    /// [`Engine::generate_with`] that hands `after_prompt` the sequence right after the prompt
-    /// ran (a generator keeps a copy there for the next turn of a conversation).
-    pub(crate) fn generate_keeping(
+    /// [`Engine::generate_with`] with drafts: each step feeds the latest token plus up to
+    /// `opts.draft_max` of `drafter`'s guesses as one verify slot, keeps the longest prefix K3
+    /// agrees with plus K3's own next token, and cuts the sequence back exactly. The ids, and the
+    /// state left behind, are plain decoding's.
+    pub fn generate_drafted(
         &self,
         seq: &mut Sequence,
         prompt: &[u32],
         opts: &GenerateOptions,
+        drafter: &mut dyn Drafter,
+        on_step: impl FnMut(Step<'_>) -> bool,
+    ) -> Result<Stats> {
+        self.generate_keeping(seq, prompt, opts, Some(drafter), on_step, |_| {})
+    }
+
+    /// [`Engine::generate_with`] that hands `after_prompt` the sequence right after the prompt
+    /// ran (a generator keeps a copy there for the next turn of a conversation).
+    pub(crate) fn generate_keeping<'d>(
+        &self,
+        seq: &mut Sequence,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut drafter: Option<&mut (dyn Drafter + 'd)>,
         mut on_step: impl FnMut(Step<'_>) -> bool,
         after_prompt: impl FnOnce(&Sequence),
     ) -> Result<Stats> {
@@ -271,6 +288,45 @@ impl Engine {
             if seq.ids.len() + 1 > seq.context_limit {
                 stats.context_limit_reached = true;
                 break;
+            }
+            if let Some(d) = drafter.as_deref_mut() {
+                let room = seq.context_limit - seq.ids.len() - 1;
+                let want = opts.draft_max.min(opts.max_new - generated).min(room);
+                let mut context = seq.ids.clone();
+                context.push(next);
+                let mut drafts = if want > 0 { d.draft(&context, want) } else { Vec::new() };
+                drafts.truncate(want);
+                if !drafts.is_empty() {
+                    let mut ids = vec![next];
+                    ids.extend_from_slice(&drafts);
+                    let start = seq.ids.len();
+                    let out = self.step_inner(&mut [Slot::new(seq, &ids, Phase::Verify)], opts.cancel.as_ref(), false)?;
+                    read_wait += out.report.read_wait;
+                    let rows = out.logits.into_iter().next().expect("one slot");
+                    let verdict = verify_greedy(&drafts, &rows);
+                    stats.verifies += 1;
+                    stats.drafted += drafts.len() as u64;
+                    stats.accepted += verdict.accepted as u64;
+                    d.accepted(drafts.len(), verdict.accepted);
+                    // Emit the accepted drafts (each is K3's own choice), stopping as plain
+                    // decoding would; then keep what it would hold: all emitted but the last.
+                    let mut stopped_at = None;
+                    for (i, &t) in drafts[..verdict.accepted].iter().enumerate() {
+                        generated += 1;
+                        let keep_going = on_step(Step { id: t, logits: rows.row(i) });
+                        if opts.stop_ids.contains(&t) || !keep_going || generated == opts.max_new {
+                            stopped_at = Some(i);
+                            break;
+                        }
+                    }
+                    seq.rewind_to(&self.model, start + 1 + stopped_at.unwrap_or(verdict.accepted))?;
+                    if stopped_at.is_some() {
+                        break;
+                    }
+                    last = rows.row(verdict.accepted).to_vec();
+                    next = verdict.next;
+                    continue;
+                }
             }
             let (l, r) = self.forward_inner(seq, &[next], LogitRows::Last, opts.cancel.as_ref(), generated + 1 < opts.max_new)?;
             read_wait += r.read_wait;
@@ -324,6 +380,8 @@ pub struct GenerateOptions {
     /// Checked between layers: once set, the generation stops with [`Error::Cancelled`] (a
     /// client that went away must free the engine at once, even mid-prompt).
     pub cancel: Option<Cancel>,
+    /// Most drafted tokens verified per step when a drafter is given (0: plain decoding).
+    pub draft_max: usize,
 }
 
 /// A shared flag that stops a generation.
@@ -367,11 +425,16 @@ impl GenerateOptions {
         self.cancel = Some(cancel);
         self
     }
+    /// Verify up to `k` drafted tokens per step when a drafter is given.
+    pub fn draft_max(mut self, k: usize) -> GenerateOptions {
+        self.draft_max = k;
+        self
+    }
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None }
+        GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None, draft_max: 4 }
     }
 }
 

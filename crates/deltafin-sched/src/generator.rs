@@ -9,6 +9,8 @@
 //! re-rendered) runs only its new tokens. The kernels are batch-invariant, so the continuation is
 //! bit-identical to a cold run.
 
+use deltafin_spec::Drafter;
+
 use crate::engine::{GenerateOptions, Step};
 use crate::error::{Error, Result};
 use crate::open::LoadedModel;
@@ -44,12 +46,20 @@ pub struct Generator<'m> {
     /// The sequence of the last generation, and a copy taken right after its prompt.
     full: Option<Sequence>,
     after_prompt: Option<Sequence>,
+    /// Guesses tokens for K3 to verify (speculative decoding), if set.
+    drafter: Option<Box<dyn Drafter + 'm>>,
 }
 
 impl<'m> Generator<'m> {
     /// A generator with nothing kept.
     pub fn new(model: &'m LoadedModel) -> Generator<'m> {
-        Generator { model, full: None, after_prompt: None }
+        Generator { model, full: None, after_prompt: None, drafter: None }
+    }
+
+    /// Drafts tokens with `drafter` for K3 to verify (`None`: plain decoding). The output is the
+    /// same either way; only the number of steps changes.
+    pub fn set_drafter(&mut self, drafter: Option<Box<dyn Drafter + 'm>>) {
+        self.drafter = drafter;
     }
 
     /// Forgets the kept state (a new conversation).
@@ -77,7 +87,9 @@ impl<'m> Generator<'m> {
         // The new part of the prompt runs in one pass; a copy of the state is kept right after
         // it, since the next prompt of a chat extends this one.
         let mut kept = None;
-        let result = self.model.engine().generate_keeping(&mut seq, &prompt[cached..], opts, |s| out.token(s), |s| kept = Some(s.clone()));
+        let drafter = self.drafter.as_deref_mut();
+        let result =
+            self.model.engine().generate_keeping(&mut seq, &prompt[cached..], opts, drafter, |s| out.token(s), |s| kept = Some(s.clone()));
         self.after_prompt = kept;
         match result {
             Ok(mut stats) => {

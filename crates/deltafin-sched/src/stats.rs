@@ -51,6 +51,10 @@ pub struct Stats {
     pub context_limit_reached: bool,
     /// Leading prompt tokens reused from state a [`crate::Generator`] kept (not run again).
     pub cached_tokens: usize,
+    /// Speculation: draft tokens verified, how many K3 agreed with, and verify steps run.
+    pub drafted: u64,
+    pub accepted: u64,
+    pub verifies: u64,
 }
 
 impl Stats {
@@ -77,6 +81,16 @@ impl Stats {
             mb(self.prefetch_wasted_bytes),
             mb(self.peak_rss_bytes),
         );
+        if self.verifies > 0 {
+            s.push_str(&format!(
+                "\ndrafts: {} verify steps, {} drafted, {} accepted ({:.0}%), {:.2} tokens per step",
+                self.verifies,
+                self.drafted,
+                self.accepted,
+                100.0 * self.accepted as f64 / self.drafted.max(1) as f64,
+                self.generated_tokens as f64 / (self.verifies as f64).max(1.0)
+            ));
+        }
         for h in &self.per_drive {
             s.push_str(&format!(
                 "\n  drive {}: {} reads, {:.1} MB, {} errors, {:.0} MB/s",

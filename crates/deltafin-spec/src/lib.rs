@@ -3,15 +3,13 @@
 //! Exactness rule: a draft token is accepted only if it equals K3's own greedy choice at that
 //! position, computed by the same batch-invariant kernels as plain decoding; the first mismatch
 //! is replaced by K3's choice. Output is therefore identical, token for token, to decoding without
-//! a drafter. This crate holds that rule ([`verify_greedy`]), the [`Drafter`] interface,
-//! model-free drafters (`drafters.rs`) and generation with drafts on the engine's verify step
-//! ([`generate`]); a draft model, the cost gate and the front ends' flags come next.
+//! a drafter. This crate holds that rule ([`verify_greedy`]), the [`Drafter`] interface and
+//! model-free drafters (`drafters.rs`); the engine's generation (`deltafin-sched`) feeds drafts
+//! through its verify step and applies the rule. A draft model and the cost gate come next.
 
 mod drafters;
-mod speculate;
 
 pub use drafters::{FlakyDrafter, NgramDrafter, OracleDrafter, RandomDrafter};
-pub use speculate::{generate, SpecStats};
 
 use deltafin_core::{argmax, Mat};
 

@@ -38,6 +38,7 @@ pub use deltafin_sched::{
     argmax, CacheMode, CachePolicy, Cancel, Engine, EngineBuilder, Error, GenerateOptions, Generator, LoadedModel, LogitRows, MemoryPlan,
     OnToken, Output, Phase, Result, Sequence, Slot, Stats, Step, StepOutput, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
 };
+pub use deltafin_spec::{Drafter, NgramDrafter};
 pub use deltafin_store::{DoctorReport, ExpertLayoutKind, HomeStats, NoProgress, Progress, SetupOptions, DEFAULT_SPLIT_MIN};
 
 /// What a store holds, as [`setup`] and [`repair`] leave it.

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use deltafin_sched::{EngineBuilder, GenerateOptions, LoadedModel, Sequence};
+use deltafin_sched::{EngineBuilder, GenerateOptions, LoadedModel, Sequence, Stats};
 use deltafin_spec::{Drafter, FlakyDrafter, NgramDrafter, OracleDrafter, RandomDrafter};
 
 fn fixture() -> PathBuf {
@@ -33,20 +33,17 @@ fn plain(model: &LoadedModel, prompt: &[u32], opts: &GenerateOptions) -> (Vec<u3
     (ids, seq)
 }
 
-fn speculative(
-    model: &LoadedModel,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    d: &mut dyn Drafter,
-    k: usize,
-) -> (Vec<u32>, Sequence, deltafin_spec::SpecStats) {
+fn speculative(model: &LoadedModel, prompt: &[u32], opts: &GenerateOptions, d: &mut dyn Drafter, k: usize) -> (Vec<u32>, Sequence, Stats) {
     let mut seq = model.new_sequence();
     let mut ids = Vec::new();
-    let stats = deltafin_spec::generate(model.engine(), &mut seq, prompt, opts, d, k, |id| {
-        ids.push(id);
-        true
-    })
-    .unwrap();
+    let opts = opts.clone().draft_max(k);
+    let stats = model
+        .engine()
+        .generate_drafted(&mut seq, prompt, &opts, d, |s| {
+            ids.push(s.id);
+            true
+        })
+        .unwrap();
     (ids, seq, stats)
 }
 
@@ -68,10 +65,10 @@ fn check(model: &LoadedModel, label: &str) {
                     assert_eq!(got, want, "{label}: {name} k={k} changed the output");
                     assert_eq!(seq.ids(), want_seq.ids(), "{label}: {name} k={k} left other tokens in the sequence");
                     assert!(seq.layer_states() == want_seq.layer_states(), "{label}: {name} k={k} left other state");
-                    assert_eq!(stats.generated, want.len());
+                    assert_eq!(stats.generated_tokens, want.len());
                     if name == "oracle" && want.len() > 1 {
                         assert_eq!(stats.accepted, stats.drafted, "{label}: the oracle is always right");
-                        assert!(stats.verifies < want.len(), "{label}: the oracle saves steps");
+                        assert!((stats.verifies as usize) < want.len(), "{label}: the oracle saves steps");
                     }
                 }
             }
