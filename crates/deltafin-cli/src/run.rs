@@ -45,6 +45,32 @@ pub struct ModelArgs {
     /// Keep the hottest experts of past runs pinned in RAM, up to this size (within the budget).
     #[arg(long, value_parser = crate::store_cmds::parse_size)]
     pub pin: Option<u64>,
+    /// Draft tokens for K3 to verify (speculative decoding; the output is identical): `ngram`
+    /// (prompt lookup over the text so far).
+    #[arg(long, value_parser = ["ngram"])]
+    pub draft: Option<String>,
+    /// Most drafted tokens verified per step.
+    #[arg(long, default_value_t = 4)]
+    pub draft_max: usize,
+}
+
+impl ModelArgs {
+    /// Most drafts per step: 0 without `--draft`.
+    pub fn draft_max(&self) -> usize {
+        if self.draft.is_some() {
+            self.draft_max
+        } else {
+            0
+        }
+    }
+    /// A generator over `model` with the drafter `--draft` asks for.
+    pub fn generator<'m>(&self, model: &'m LoadedModel) -> Generator<'m> {
+        let mut g = Generator::new(model);
+        if self.draft.as_deref() == Some("ngram") {
+            g.set_drafter(Some(Box::new(NgramDrafter::default())));
+        }
+        g
+    }
 }
 
 impl ModelArgs {
@@ -91,13 +117,6 @@ pub struct RunArgs {
     /// Write the stats as JSON to this file.
     #[arg(long)]
     pub stats_json: Option<PathBuf>,
-    /// Draft tokens for K3 to verify (speculative decoding; the output is identical): `ngram`
-    /// (prompt lookup over the text so far).
-    #[arg(long, value_parser = ["ngram"])]
-    pub draft: Option<String>,
-    /// Most drafted tokens verified per step.
-    #[arg(long, default_value_t = 4)]
-    pub draft_max: usize,
 }
 
 fn prompt_ids(model: &LoadedModel, a: &RunArgs) -> Result<Vec<u32>> {
@@ -129,15 +148,12 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty: give --prompt TEXT, --ids 1,2,3, or text on stdin");
     }
     let stop_ids = if a.chat { model.chat()?.stop_ids() } else { Vec::new() };
-    let opts = GenerateOptions::new(a.max_new).stop_ids(stop_ids).draft_max(a.draft_max);
+    let opts = GenerateOptions::new(a.max_new).stop_ids(stop_ids).draft_max(a.model.draft_max());
     let mut out = std::io::stdout().lock();
     let mut dec = model.tokenizer().stream();
     let mut ids = Vec::new();
     let mut write_err = None;
-    let mut generator = Generator::new(&model);
-    if a.draft.as_deref() == Some("ngram") {
-        generator.set_drafter(Some(Box::new(NgramDrafter::default())));
-    }
+    let mut generator = a.model.generator(&model);
     let stats = generator.generate(
         &prompt,
         &opts,

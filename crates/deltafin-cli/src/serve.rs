@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use clap::Args;
-use deltafin::{Cancel, GenerateOptions, Generator, OnToken, Step};
+use deltafin::{Cancel, GenerateOptions, OnToken, Step};
 use deltafin::{Message, Role};
 
 use crate::run::ModelArgs;
@@ -49,6 +49,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         default_max_tokens: a.default_max_tokens,
         model_name: name,
         keep_alive_s: a.keep_alive,
+        draft_max: a.model.draft_max(),
     };
     let margs = a.model.clone();
     deltafin_server::serve_blocking(cfg, move || margs.open().map_err(|e| format!("{e:#}")))?;
@@ -79,7 +80,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))?;
     eprintln!("{HELP}");
     let mut history: Vec<Message> = a.system.iter().map(|s| Message::new(Role::System, s.clone())).collect();
-    let mut generator = Generator::new(&model);
+    let mut generator = a.model.generator(&model);
     let mut last_stats = None;
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
@@ -128,7 +129,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         history.push(Message::new(Role::User, input));
         let ids = chat.render(&history, None)?;
         let cancel = Cancel::new();
-        let opts = GenerateOptions::new(a.max_new).stop_ids(chat.stop_ids()).cancel(cancel.clone());
+        let opts = GenerateOptions::new(a.max_new).stop_ids(chat.stop_ids()).cancel(cancel.clone()).draft_max(a.model.draft_max());
         let mut reply_ids = Vec::new();
         let mut dec = model.tokenizer().stream();
         let mut out = std::io::stdout();

@@ -60,6 +60,9 @@ pub struct ServerConfig {
     pub model_name: String,
     /// Seconds between SSE keep-alive comments while a prompt is processed.
     pub keep_alive_s: u64,
+    /// Verify up to this many prompt-lookup drafts per step (0: plain decoding; the output is the
+    /// same either way).
+    pub draft_max: usize,
 }
 
 struct Ready {
@@ -93,7 +96,7 @@ pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel,
     tokio::task::spawn_blocking(move || match load() {
         Ok(model) => {
             let model = Arc::new(model);
-            let queue = worker::start(model.clone(), s.cfg.max_queue, s.metrics.clone());
+            let queue = worker::start(model.clone(), s.cfg.max_queue, s.cfg.draft_max, s.metrics.clone());
             let _ = s.ready.set(Ready { model, queue });
             eprintln!("deltafin: model ready");
         }
@@ -245,6 +248,7 @@ async fn handle(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Respo
         logprobs: req.logprobs.then_some(req.top_logprobs),
         events: tx,
         cancel: cancel.clone(),
+        draft_max: s.cfg.draft_max,
     };
     if ready.queue.submit(job).is_err() {
         return error(
@@ -279,7 +283,8 @@ fn timings(stats: &Stats, cached: usize) -> Value {
     json!({
         "prompt_n": stats.prompt_tokens, "cached_n": cached, "prompt_ms": stats.ttft_s * 1000.0,
         "predicted_n": stats.generated_tokens, "predicted_ms": predicted_ms, "predicted_per_second": stats.decode_tok_s,
-        "ttft_ms": stats.ttft_s * 1000.0, "expert_bytes_read": stats.expert_bytes_read, "cache_hit_rate": stats.cache_hit_rate
+        "ttft_ms": stats.ttft_s * 1000.0, "expert_bytes_read": stats.expert_bytes_read, "cache_hit_rate": stats.cache_hit_rate,
+        "drafted_n": stats.drafted, "accepted_n": stats.accepted
     })
 }
 

@@ -8,7 +8,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
-use deltafin::{Cancel, Error as EngineError, GenerateOptions, Generator, LoadedModel, Output, Stats, Step};
+use deltafin::{Cancel, Error as EngineError, GenerateOptions, Generator, LoadedModel, NgramDrafter, Output, Stats, Step};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
@@ -23,6 +23,8 @@ pub struct Job {
     pub logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
     pub cancel: Cancel,
+    /// Most drafts verified per step (with a drafter set).
+    pub draft_max: usize,
 }
 
 /// What the worker reports back.
@@ -66,7 +68,8 @@ impl Queue {
 }
 
 /// Starts the worker thread for `model` with room for `max_queue` waiting jobs.
-pub fn start(model: Arc<LoadedModel>, max_queue: usize, metrics: Arc<Metrics>) -> Queue {
+/// `draft_max` > 0: verify up to that many prompt-lookup drafts per step.
+pub fn start(model: Arc<LoadedModel>, max_queue: usize, draft_max: usize, metrics: Arc<Metrics>) -> Queue {
     let (tx, rx) = mpsc::sync_channel::<Job>(max_queue);
     let depth = Arc::new(AtomicUsize::new(0));
     let d = depth.clone();
@@ -74,6 +77,9 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, metrics: Arc<Metrics>) -
         .name("deltafin-engine".into())
         .spawn(move || {
             let mut generator = Generator::new(&model);
+            if draft_max > 0 {
+                generator.set_drafter(Some(Box::new(NgramDrafter::default())));
+            }
             while let Ok(job) = rx.recv() {
                 d.fetch_sub(1, Ordering::AcqRel);
                 if job.cancel.is_cancelled() || job.events.is_closed() {
@@ -120,7 +126,7 @@ fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
             panic!("injected fault: prompt contains token {id}");
         }
     }
-    let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone());
+    let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone()).draft_max(job.draft_max);
     let mut out = JobOutput { job: &job, last: None };
     match generator.generate(&job.prompt, &opts, &mut out) {
         Ok(stats) => {
