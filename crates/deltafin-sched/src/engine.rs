@@ -274,11 +274,17 @@ impl Engine {
         stats.expert_bytes_distinct_prefill = rep.distinct_expert_bytes;
         let mut read_wait = rep.read_wait;
         let mut last = logits.row(logits.rows - 1).to_vec();
+        // What a drafter sees: every token so far, kept in step as tokens are emitted (not
+        // rebuilt from the sequence at every step).
+        let mut context = if drafter.is_some() { seq.ids.clone() } else { Vec::new() };
         let mut next = argmax(&last);
         let decode_start = Instant::now();
         let mut generated = 0;
         while generated < opts.max_new {
             generated += 1;
+            if drafter.is_some() {
+                context.push(next);
+            }
             let keep_going = on_step(Step { id: next, logits: &last });
             if opts.stop_ids.contains(&next) || !keep_going || generated == opts.max_new {
                 break;
@@ -292,8 +298,6 @@ impl Engine {
             if let Some(d) = drafter.as_deref_mut() {
                 let room = seq.context_limit - seq.ids.len() - 1;
                 let want = opts.draft_max.min(opts.max_new - generated).min(room);
-                let mut context = seq.ids.clone();
-                context.push(next);
                 let mut drafts = if want > 0 { d.draft(&context, want) } else { Vec::new() };
                 drafts.truncate(want);
                 if !drafts.is_empty() {
@@ -313,6 +317,7 @@ impl Engine {
                     let mut stopped_at = None;
                     for (i, &t) in drafts[..verdict.accepted].iter().enumerate() {
                         generated += 1;
+                        context.push(t);
                         let keep_going = on_step(Step { id: t, logits: rows.row(i) });
                         if opts.stop_ids.contains(&t) || !keep_going || generated == opts.max_new {
                             stopped_at = Some(i);

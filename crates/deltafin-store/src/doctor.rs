@@ -72,11 +72,9 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
         }
     };
     r.advice = m.advice(dir);
-    for (name, sum) in &m.files {
-        match std::fs::read(dir.join(name)) {
-            Ok(b) if b.len() as u64 == sum.bytes && checksum(&b) == sum.xxh3 => {}
-            Ok(_) => r.problems.push(format!("{}: changed since setup (checksum mismatch)", dir.join(name).display())),
-            Err(e) => r.problems.push(format!("{}: {e}", dir.join(name).display())),
+    for name in m.files.keys() {
+        if let Err(e) = crate::store::Store::small_file(dir, &m, name) {
+            r.problems.push(e.to_string());
         }
     }
     let cfg = match std::fs::read_to_string(dir.join("config.json")).ok().and_then(|t| deltafin_core::K3Config::from_json(&t).ok()) {

@@ -98,7 +98,7 @@ impl Store {
     }
 
     /// Reads a small file of the store and checks it against the manifest's checksum.
-    fn small_file(dir: &Path, manifest: &Manifest, name: &str) -> Result<Vec<u8>> {
+    pub(crate) fn small_file(dir: &Path, manifest: &Manifest, name: &str) -> Result<Vec<u8>> {
         let p = dir.join(name);
         let bad = |why: String| Error::BadStore { path: p.clone(), why, advice: crate::manifest::repair_advice(dir) };
         let sum = manifest.files.get(name).ok_or_else(|| bad("the manifest has no checksum for it".into()))?;

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{assign_homes, crash_point, ExpertLayoutKind, Plan, Progress, SpanSource, PACKS_DIR};
+use super::{assign_homes, crash_point, ExpertLayoutKind, Install, Progress, SpanSource, PACKS_DIR};
 use crate::checkpoint::ExpertSpan;
 use crate::error::{Error, Result};
 use crate::manifest::{align_up, checksum, read_sealed, rename_synced, tmp_path, write_sealed, Copy, ExpertEntry};
@@ -35,7 +35,7 @@ struct LayerSidecar {
 }
 
 /// Installs every MoE layer's experts; returns the record layouts and the manifest entries.
-pub(super) fn install(plan: &Plan, kind: ExpertLayoutKind, progress: &dyn Progress) -> Result<(Vec<RecordLayout>, Vec<ExpertEntry>)> {
+pub(super) fn install(plan: &Install, kind: ExpertLayoutKind, progress: &dyn Progress) -> Result<(Vec<RecordLayout>, Vec<ExpertEntry>)> {
     let cfg = plan.ckpt.config();
     let moe = cfg.moe_layers();
     let copies = match kind {
@@ -59,7 +59,7 @@ pub(super) fn install(plan: &Plan, kind: ExpertLayoutKind, progress: &dyn Progre
     Ok((layouts, entries))
 }
 
-fn in_place_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progress) -> Result<Vec<ExpertEntry>> {
+fn in_place_layer(plan: &Install, l: usize, spans: &[ExpertSpan], progress: &dyn Progress) -> Result<Vec<ExpertEntry>> {
     let side_path = plan.out.join(format!("inplace-L{l:03}.json"));
     let side: Option<LayerSidecar> = read_sealed(&side_path).ok().filter(|s: &LayerSidecar| s.source_id == plan.record.source_id);
     let home = &plan.homes[0];
@@ -94,7 +94,7 @@ fn pack_is_intact(path: &Path, table: &Table) -> bool {
     super::readback::is_exact(path, &ranges, &super::NoProgress)
 }
 
-fn pack_layer(plan: &Plan, l: usize, spans: &[ExpertSpan], progress: &dyn Progress) -> Result<Vec<ExpertEntry>> {
+fn pack_layer(plan: &Install, l: usize, spans: &[ExpertSpan], progress: &dyn Progress) -> Result<Vec<ExpertEntry>> {
     let n = plan.homes.len();
     let copies = plan.record.copies;
     let rels: Vec<String> = plan.pack_dirs.iter().map(|d| format!("{PACKS_DIR}/{d}/L{l:03}.pack")).collect();

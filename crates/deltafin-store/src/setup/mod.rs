@@ -178,8 +178,8 @@ fn crash_point(layers_done: usize) {
 /// The plan record of a store in progress or finished.
 const SETUP_RECORD: &str = "setup.json";
 
-/// Everything a run of setup works from: the plan and what earlier runs recorded.
-pub(crate) struct Plan<'a> {
+/// Everything a run of setup works from: what to install where, and what earlier runs recorded.
+pub(crate) struct Install<'a> {
     pub ckpt: &'a Checkpoint,
     pub out: &'a Path,
     pub record: SetupRecord,
@@ -194,7 +194,7 @@ pub(crate) struct Plan<'a> {
     pub src: LocalFiles,
 }
 
-impl Plan<'_> {
+impl Install<'_> {
     /// A checksum recorded earlier for spine tensor `name`.
     pub fn earlier_spine(&self, name: &str) -> Option<&str> {
         self.earlier_spine.get(name).map(String::as_str)
@@ -266,7 +266,7 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
     let pack_dirs = (0..homes.len()).map(|h| pack_dir_name(&record, h, homes.len())).collect();
     let earlier_spine = earlier.iter().flat_map(|m| m.spine.iter().map(|(n, t)| (n.clone(), t.xxh3.clone()))).collect();
     let earlier_experts = earlier.iter().flat_map(|m| m.experts.iter().map(|e| ((e.layer, e.expert), e.xxh3.clone()))).collect();
-    let plan = Plan { ckpt: &ckpt, out, record, homes, pack_dirs, earlier_spine, earlier_experts, src: LocalFiles::new() };
+    let plan = Install { ckpt: &ckpt, out, record, homes, pack_dirs, earlier_spine, earlier_experts, src: LocalFiles::new() };
     let mut home_locks = Vec::new();
     if opts.layout == ExpertLayoutKind::Packs {
         for (h, dir) in plan.homes.iter().zip(&plan.pack_dirs) {
@@ -412,7 +412,7 @@ pub(crate) fn remove_if_present(p: &Path) -> Result<()> {
 }
 
 /// Copies config and tokenizer files into the store, returning their checksums.
-fn copy_small_files(plan: &Plan) -> Result<BTreeMap<String, FileSum>> {
+fn copy_small_files(plan: &Install) -> Result<BTreeMap<String, FileSum>> {
     let mut files = BTreeMap::new();
     for f in STORE_FILES {
         let p = plan.ckpt.dir().join(f);

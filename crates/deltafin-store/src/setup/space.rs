@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::{assign_homes, spine::spine_file_bytes, Plan, PACKS_DIR};
+use super::{assign_homes, spine::spine_file_bytes, Install, PACKS_DIR};
 use crate::error::{Error, Result};
 use crate::manifest::align_up;
 
@@ -28,7 +28,7 @@ pub fn free_bytes(dir: &Path) -> Result<u64> {
 }
 
 /// Fails with [`Error::NoSpace`] if some filesystem lacks room for what this plan writes.
-pub(super) fn check(plan: &Plan) -> Result<()> {
+pub(super) fn check(plan: &Install) -> Result<()> {
     let cfg = plan.ckpt.config();
     let mut files: Vec<(PathBuf, u64)> = vec![(plan.out.join("spine.bin"), spine_file_bytes(plan.ckpt))];
     let n = plan.homes.len();

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use deltafin_core::LM_PREFIX;
 use serde::{Deserialize, Serialize};
 
-use super::{write_file_atomically, Plan, Progress, SpanSource};
+use super::{write_file_atomically, Install, Progress, SpanSource};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::manifest::{align_up, checksum, read_sealed, write_sealed, SpineTensor};
@@ -45,7 +45,7 @@ fn same_place(a: &BTreeMap<String, SpineTensor>, b: &BTreeMap<String, SpineTenso
 }
 
 /// Writes (or verifies and keeps) `STORE/spine.bin`.
-pub(super) fn write_spine_file(plan: &Plan, progress: &dyn Progress) -> Result<(Vec<PathBuf>, BTreeMap<String, SpineTensor>)> {
+pub(super) fn write_spine_file(plan: &Install, progress: &dyn Progress) -> Result<(Vec<PathBuf>, BTreeMap<String, SpineTensor>)> {
     let ckpt = plan.ckpt;
     let path = plan.out.join("spine.bin");
     let side_path = plan.out.join("spine.bin.json");
@@ -102,7 +102,7 @@ pub(super) fn write_spine_file(plan: &Plan, progress: &dyn Progress) -> Result<(
 
 /// Checksums the spine where it lies in the checkpoint's shards (nothing is copied). A re-run
 /// compares them with the sidecar's: the shards are the store, so a change is an error.
-pub(super) fn in_place_spine(plan: &Plan, progress: &dyn Progress) -> Result<(Vec<PathBuf>, BTreeMap<String, SpineTensor>)> {
+pub(super) fn in_place_spine(plan: &Install, progress: &dyn Progress) -> Result<(Vec<PathBuf>, BTreeMap<String, SpineTensor>)> {
     let ckpt = plan.ckpt;
     let side_path = plan.out.join("inplace-spine.json");
     let side: Option<SpineSidecar> = read_sealed(&side_path).ok().filter(|s: &SpineSidecar| s.source_id == plan.record.source_id);

@@ -717,7 +717,9 @@ impl ExpertSource for StreamingExperts {
         let mut st = self.inner.state.lock().expect("poisoned");
         st.clock += 1;
         st.pass_start = st.clock;
-        st.plan = Plan::new(layers);
+        if !st.plan.is(layers) {
+            st.plan = Plan::new(layers);
+        }
     }
 
     fn take_heat(&self) -> HashMap<Key, u64> {

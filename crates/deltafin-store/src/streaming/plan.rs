@@ -11,6 +11,12 @@ pub(super) struct Plan {
 }
 
 impl Plan {
+    /// Whether this plan walks exactly `layers`, in this order (every decode step states the same
+    /// plan: it is rebuilt only when it changes).
+    pub(super) fn is(&self, layers: &[usize]) -> bool {
+        self.len == layers.len() && layers.iter().enumerate().all(|(i, &l)| self.pos.get(l).copied().flatten() == Some(i))
+    }
+
     pub(super) fn new(layers: &[usize]) -> Plan {
         let mut pos = vec![None; layers.iter().max().map_or(0, |l| l + 1)];
         for (i, &l) in layers.iter().enumerate() {
@@ -50,5 +56,7 @@ mod tests {
         assert_eq!(q.next_use(5, 3), 1);
         // A layer outside the plan is needed last.
         assert!(q.next_use(4, 5) > q.next_use(3, 5));
+        // A plan knows itself, order included.
+        assert!(q.is(&[5, 1, 3]) && !q.is(&[1, 3, 5]) && !q.is(&[5, 1]));
     }
 }
