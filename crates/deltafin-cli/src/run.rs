@@ -49,9 +49,13 @@ pub struct ModelArgs {
     /// (prompt lookup over the text so far).
     #[arg(long, value_parser = ["ngram"])]
     pub draft: Option<String>,
-    /// Most drafted tokens verified per step.
+    /// Most drafted tokens verified per step (the live cost gate picks each step's length, 0
+    /// included, from measured verify costs and acceptance).
     #[arg(long, default_value_t = 4)]
     pub draft_max: usize,
+    /// Draft exactly --draft-max tokens at every step instead of letting the cost gate choose.
+    #[arg(long)]
+    pub draft_fixed: bool,
 }
 
 impl ModelArgs {
@@ -62,6 +66,10 @@ impl ModelArgs {
         } else {
             0
         }
+    }
+    /// Generation options for `max_new` tokens with the drafting the flags ask for.
+    pub fn generate_options(&self, max_new: usize) -> GenerateOptions {
+        GenerateOptions::new(max_new).draft_max(self.draft_max()).draft_gate(!self.draft_fixed)
     }
     /// A generator over `model` with the drafter `--draft` asks for.
     pub fn generator<'m>(&self, model: &'m LoadedModel) -> Generator<'m> {
@@ -148,7 +156,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty: give --prompt TEXT, --ids 1,2,3, or text on stdin");
     }
     let stop_ids = if a.chat { model.chat()?.stop_ids() } else { Vec::new() };
-    let opts = GenerateOptions::new(a.max_new).stop_ids(stop_ids).draft_max(a.model.draft_max());
+    let opts = a.model.generate_options(a.max_new).stop_ids(stop_ids);
     let mut out = std::io::stdout().lock();
     let mut dec = model.tokenizer().stream();
     let mut ids = Vec::new();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use clap::Args;
-use deltafin::{Cancel, GenerateOptions, OnToken, Step};
+use deltafin::{Cancel, OnToken, Step};
 use deltafin::{Message, Role};
 
 use crate::run::ModelArgs;
@@ -129,7 +129,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         history.push(Message::new(Role::User, input));
         let ids = chat.render(&history, None)?;
         let cancel = Cancel::new();
-        let opts = GenerateOptions::new(a.max_new).stop_ids(chat.stop_ids()).cancel(cancel.clone()).draft_max(a.model.draft_max());
+        let opts = a.model.generate_options(a.max_new).stop_ids(chat.stop_ids()).cancel(cancel.clone());
         let mut reply_ids = Vec::new();
         let mut dec = model.tokenizer().stream();
         let mut out = std::io::stdout();

@@ -34,6 +34,11 @@ pub fn stats_json(s: &Stats) -> Value {
         "drafted": s.drafted,
         "accepted": s.accepted,
         "verifies": s.verifies,
-        "acceptance_rate": if s.drafted > 0 { s.accepted as f64 / s.drafted as f64 } else { 0.0 },
+        "acceptance_rate": s.acceptance_rate(),
+        "tokens_per_verify": s.tokens_per_verify(),
+        "verify_union_bytes_mean": s.verify_union_bytes_mean(),
+        "expert_bytes_per_emitted_token": s.bytes_per_token,
+        "draft_s": s.draft_s,
+        "draft_probes": s.draft_probes,
     })
 }

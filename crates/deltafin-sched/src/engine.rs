@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::sequence::Sequence;
 use crate::stats::{peak_rss_bytes, Stats};
 use crate::step::{Phase, Slot};
-use deltafin_spec::{verify_greedy, Drafter};
+use deltafin_spec::{verify_greedy, CostGate, Drafter};
 
 /// How many of the last layer's expert reads are still outstanding when the next token's guess
 /// is made: it runs the logits and the next token's first layers (about twice a layer guess's
@@ -278,6 +278,8 @@ impl Engine {
         // rebuilt from the sequence at every step).
         let mut context = if drafter.is_some() { seq.ids.clone() } else { Vec::new() };
         let mut next = argmax(&last);
+        // Draft lengths come from the live cost gate unless fixed by the options.
+        let mut gate = (drafter.is_some() && opts.draft_gate).then(|| CostGate::new(opts.draft_max));
         let decode_start = Instant::now();
         let mut generated = 0;
         while generated < opts.max_new {
@@ -295,11 +297,17 @@ impl Engine {
                 stats.context_limit_reached = true;
                 break;
             }
+            let step_start = Instant::now();
             if let Some(d) = drafter.as_deref_mut() {
                 let room = seq.context_limit - seq.ids.len() - 1;
-                let want = opts.draft_max.min(opts.max_new - generated).min(room);
+                let chosen = match gate.as_mut() {
+                    Some(g) => g.choose(),
+                    None => opts.draft_max,
+                };
+                let want = chosen.min(opts.max_new - generated).min(room);
                 let mut drafts = if want > 0 { d.draft(&context, want) } else { Vec::new() };
                 drafts.truncate(want);
+                stats.draft_s += step_start.elapsed().as_secs_f64();
                 if !drafts.is_empty() {
                     let mut ids = vec![next];
                     ids.extend_from_slice(&drafts);
@@ -311,7 +319,11 @@ impl Engine {
                     stats.verifies += 1;
                     stats.drafted += drafts.len() as u64;
                     stats.accepted += verdict.accepted as u64;
+                    stats.verify_union_bytes += out.report.distinct_expert_bytes;
                     d.accepted(drafts.len(), verdict.accepted);
+                    if let Some(g) = gate.as_mut() {
+                        g.note_verify(drafts.len(), verdict.accepted, step_start.elapsed().as_secs_f64());
+                    }
                     // Emit the accepted drafts (each is K3's own choice), stopping as plain
                     // decoding would; then keep what it would hold: all emitted but the last.
                     let mut stopped_at = None;
@@ -338,7 +350,11 @@ impl Engine {
             last = l.row(0).to_vec();
             next = argmax(&last);
             self.note_provisional(&r, next, &mut stats);
+            if let Some(g) = gate.as_mut() {
+                g.note_plain(step_start.elapsed().as_secs_f64());
+            }
         }
+        stats.draft_probes = gate.as_ref().map_or(0, CostGate::probes);
         let decode = decode_start.elapsed().as_secs_f64();
         let end = self.experts.stats();
         stats.generated_tokens = generated;
@@ -387,6 +403,10 @@ pub struct GenerateOptions {
     pub cancel: Option<Cancel>,
     /// Most drafted tokens verified per step when a drafter is given (0: plain decoding).
     pub draft_max: usize,
+    /// Whether the live cost gate chooses each step's draft length (up to `draft_max`, 0
+    /// included); off, every step drafts `draft_max` (tests of exactness, benchmarks of the
+    /// gate itself).
+    pub draft_gate: bool,
 }
 
 /// A shared flag that stops a generation.
@@ -435,11 +455,16 @@ impl GenerateOptions {
         self.draft_max = k;
         self
     }
+    /// Let the live cost gate choose draft lengths (the default), or always draft `draft_max`.
+    pub fn draft_gate(mut self, on: bool) -> GenerateOptions {
+        self.draft_gate = on;
+        self
+    }
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None, draft_max: 4 }
+        GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None, draft_max: 4, draft_gate: true }
     }
 }
 

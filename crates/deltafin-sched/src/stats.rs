@@ -55,6 +55,39 @@ pub struct Stats {
     pub drafted: u64,
     pub accepted: u64,
     pub verifies: u64,
+    /// Bytes of the distinct experts the verify steps routed (their union per layer), summed.
+    pub verify_union_bytes: u64,
+    /// Seconds spent in the drafter.
+    pub draft_s: f64,
+    /// Verify steps the cost gate ran as probes (drafting was off or not worth it).
+    pub draft_probes: u64,
+}
+
+impl Stats {
+    /// Accepted / drafted tokens (0 without drafts).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+    /// Tokens emitted per verify step: the accepted drafts plus K3's own token.
+    pub fn tokens_per_verify(&self) -> f64 {
+        if self.verifies == 0 {
+            0.0
+        } else {
+            (self.accepted + self.verifies) as f64 / self.verifies as f64
+        }
+    }
+    /// Mean union of expert bytes a verify step routed.
+    pub fn verify_union_bytes_mean(&self) -> f64 {
+        if self.verifies == 0 {
+            0.0
+        } else {
+            self.verify_union_bytes as f64 / self.verifies as f64
+        }
+    }
 }
 
 impl Stats {
@@ -81,14 +114,18 @@ impl Stats {
             mb(self.prefetch_wasted_bytes),
             mb(self.peak_rss_bytes),
         );
-        if self.verifies > 0 {
+        if self.verifies > 0 || self.draft_s > 0.0 {
             s.push_str(&format!(
-                "\ndrafts: {} verify steps, {} drafted, {} accepted ({:.0}%), {:.2} tokens per step",
+                "\ndrafts: {} verify steps ({} probes), {} drafted, {} accepted ({:.0}%), {:.2} tokens per verify, \
+                 verify union {:.1} MB, drafting {:.3} s",
                 self.verifies,
+                self.draft_probes,
                 self.drafted,
                 self.accepted,
-                100.0 * self.accepted as f64 / self.drafted.max(1) as f64,
-                self.generated_tokens as f64 / (self.verifies as f64).max(1.0)
+                100.0 * self.acceptance_rate(),
+                self.tokens_per_verify(),
+                self.verify_union_bytes_mean() / 1e6,
+                self.draft_s,
             ));
         }
         for h in &self.per_drive {

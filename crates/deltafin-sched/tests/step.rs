@@ -114,6 +114,26 @@ fn a_failed_step_leaves_every_sequence_bit_identical() {
 }
 
 #[test]
+fn a_verify_that_fails_mid_walk_leaves_the_sequence_as_it_was() {
+    // A sequence holding a prompt (run on the healthy checkpoint) meets a store whose last layer
+    // is corrupt: the verify step of four drafts fails after its first layers ran.
+    let tmp = tempfile::tempdir().unwrap();
+    let healthy = EngineBuilder::new(fixture()).open().unwrap();
+    let broken = EngineBuilder::new(store_with_a_corrupt_last_layer(tmp.path())).open().unwrap();
+    let before = after(&healthy, &ids(8, 3));
+    let mut seq = before.clone();
+    let err = broken.engine().step(&mut [Slot::new(&mut seq, &ids(5, 9), Phase::Verify)], None).unwrap_err();
+    assert!(err.to_string().contains("checksum"), "{err}");
+    assert_eq!(seq.ids(), before.ids());
+    assert!(seq.layer_states() == before.layer_states(), "a failed verify left state behind");
+    // And the sequence goes on exactly as one that never tried.
+    let mut twin = before.clone();
+    let a = healthy.engine().step(&mut [Slot::new(&mut seq, &[42], Phase::Decode)], None).unwrap();
+    let b = healthy.engine().step(&mut [Slot::new(&mut twin, &[42], Phase::Decode)], None).unwrap();
+    assert_eq!(bits(&a.logits[0]), bits(&b.logits[0]));
+}
+
+#[test]
 fn every_backend_gives_the_same_bits() {
     use std::sync::Arc;
     let prompt = ids(11, 4);

@@ -284,7 +284,9 @@ fn timings(stats: &Stats, cached: usize) -> Value {
         "prompt_n": stats.prompt_tokens, "cached_n": cached, "prompt_ms": stats.ttft_s * 1000.0,
         "predicted_n": stats.generated_tokens, "predicted_ms": predicted_ms, "predicted_per_second": stats.decode_tok_s,
         "ttft_ms": stats.ttft_s * 1000.0, "expert_bytes_read": stats.expert_bytes_read, "cache_hit_rate": stats.cache_hit_rate,
-        "drafted_n": stats.drafted, "accepted_n": stats.accepted
+        "drafted_n": stats.drafted, "accepted_n": stats.accepted, "verifies_n": stats.verifies,
+        "acceptance_rate": stats.acceptance_rate(), "tokens_per_verify": stats.tokens_per_verify(),
+        "verify_union_bytes": stats.verify_union_bytes_mean(), "expert_bytes_per_token": stats.bytes_per_token
     })
 }
 

@@ -8,8 +8,10 @@
 //! through its verify step and applies the rule. A draft model and the cost gate come next.
 
 mod drafters;
+mod gate;
 
 pub use drafters::{FlakyDrafter, NgramDrafter, OracleDrafter, RandomDrafter};
+pub use gate::{CostGate, MIN_GAIN, PROBE_MAX, PROBE_MIN};
 
 use deltafin_core::{argmax, Mat};
 

@@ -1,0 +1,235 @@
+//! The live cost gate: how many tokens to draft at each step (0 = plain decoding), from what
+//! this generation's steps measurably cost and how often its drafts were right.
+//!
+//! Why a gate at all: verifying k drafts reads the *union* of the experts their k + 1 rows route
+//! to, and with experts streamed from disk that union is most of a step's time. Peers measured a
+//! 2-row verify at 2.2x a 1-row step and lost 35% to an eager drafter; drafting pays only when
+//! the tokens a verify is expected to emit outweigh what it costs over a plain step. So the gate
+//! prices each draft length from measurements of this run, never from acceptance alone:
+//!
+//! - **cost**: seconds of a plain step, and of a verify step with k drafts (drafting included),
+//!   each a moving average of measured steps; a length not yet measured is priced from the
+//!   measured cost of one extra row (prior: half a plain step);
+//! - **acceptance**: the chance a draft token is accepted given the ones before it were, from
+//!   decayed counts (a Beta(1, 1) prior), so a drafter that stops guessing well is priced down
+//!   within a few verifies;
+//! - a length k is worth `E(k) / cost(k)` tokens per second, `E(k) = 1 + p + ... + p^k`; the best
+//!   length is drafted only when it beats plain decoding by [`MIN_GAIN`];
+//! - **back-off and probes**: two verify steps in a row that each lose more than one plain step's
+//!   time against plain decoding switch drafting off; while off (or not worth it), a probe of one
+//!   draft runs after a number of plain steps that doubles with every probe that does not pay
+//!   (up to [`PROBE_MAX`]), so a drafter that becomes right again is found, and one that never is
+//!   costs a probe every [`PROBE_MAX`] steps.
+//!
+//! No clock here: the engine measures and reports seconds.
+
+/// The least speed-up over plain decoding (as a ratio of tokens per second) worth drafting for,
+/// as in the upstream engine's probe: below it, noise in the measurements would decide.
+pub const MIN_GAIN: f64 = 1.03;
+/// Plain steps between probes, first and at most.
+pub const PROBE_MIN: u32 = 8;
+pub const PROBE_MAX: u32 = 128;
+/// Weight of the newest measurement in the moving averages.
+const EWMA: f64 = 0.3;
+/// Factor by which older acceptance counts fade at each verify.
+const FADE: f64 = 0.9;
+/// Priced cost of one more verify row, in plain steps, before any verify was measured.
+const PRIOR_EXTRA_ROW: f64 = 0.5;
+
+/// Chooses draft lengths from live measurements (see the module doc).
+#[derive(Clone, Debug)]
+pub struct CostGate {
+    max: usize,
+    plain_s: Option<f64>,
+    /// Measured seconds of a verify step with k drafts, at index k - 1.
+    verify_s: Vec<Option<f64>>,
+    extra_row: f64,
+    hits: f64,
+    tries: f64,
+    /// Verify steps in a row that lost more than one plain step's time, and whether that
+    /// switched drafting off (until a probe pays).
+    losses: u32,
+    off: bool,
+    /// Plain steps since the last verify, and how many must pass before the next probe.
+    plain_streak: u32,
+    probe_after: u32,
+    /// The chosen length was a probe (judged on its own when it is noted).
+    probing: bool,
+    probes: u64,
+}
+
+impl CostGate {
+    /// A gate choosing lengths up to `max`. The first step is plain (to price it), the second a
+    /// probe.
+    pub fn new(max: usize) -> CostGate {
+        CostGate {
+            max,
+            plain_s: None,
+            verify_s: vec![None; max],
+            extra_row: PRIOR_EXTRA_ROW,
+            hits: 0.0,
+            tries: 0.0,
+            losses: 0,
+            off: false,
+            plain_streak: 0,
+            probe_after: 1,
+            probing: false,
+            probes: 0,
+        }
+    }
+
+    /// The estimated chance that a draft token is accepted, given the ones before it were.
+    pub fn acceptance(&self) -> f64 {
+        (self.hits + 1.0) / (self.tries + 2.0)
+    }
+
+    /// Probes run so far.
+    pub fn probes(&self) -> u64 {
+        self.probes
+    }
+
+    /// Expected tokens emitted by a verify of `k` drafts: the accepted prefix plus K3's own.
+    fn expected_tokens(&self, k: usize) -> f64 {
+        let p = self.acceptance();
+        (0..=k).map(|i| p.powi(i as i32)).sum()
+    }
+
+    /// Priced seconds of a verify with `k` drafts.
+    fn cost(&self, k: usize, plain: f64) -> f64 {
+        self.verify_s[k - 1].unwrap_or(plain * (1.0 + self.extra_row * k as f64))
+    }
+
+    /// The draft length for the next step: 0 for a plain step.
+    pub fn choose(&mut self) -> usize {
+        self.probing = false;
+        let Some(plain) = self.plain_s else { return 0 };
+        if self.max == 0 {
+            return 0;
+        }
+        let (best, rate) =
+            (1..=self.max)
+                .map(|k| (k, self.expected_tokens(k) / self.cost(k, plain)))
+                .fold((0, 0.0), |acc, x| if x.1 > acc.1 { x } else { acc });
+        if !self.off && rate >= MIN_GAIN / plain {
+            return best;
+        }
+        if self.plain_streak >= self.probe_after {
+            self.probing = true;
+            self.probes += 1;
+            return 1;
+        }
+        0
+    }
+
+    /// A plain step took `secs` (also when a drafter had nothing to offer).
+    pub fn note_plain(&mut self, secs: f64) {
+        self.plain_s = Some(self.plain_s.map_or(secs, |p| p + EWMA * (secs - p)));
+        self.plain_streak = self.plain_streak.saturating_add(1);
+    }
+
+    /// A verify of `drafted` tokens, of which `accepted` were K3's, took `secs` (drafting
+    /// included).
+    pub fn note_verify(&mut self, drafted: usize, accepted: usize, secs: f64) {
+        if drafted == 0 || drafted > self.max {
+            return;
+        }
+        self.hits = self.hits * FADE + accepted as f64;
+        // Positions judged: the accepted ones and the first rejected one, if any.
+        self.tries = self.tries * FADE + (accepted + usize::from(accepted < drafted)) as f64;
+        let slot = &mut self.verify_s[drafted - 1];
+        *slot = Some(slot.map_or(secs, |v| v + EWMA * (secs - v)));
+        let Some(plain) = self.plain_s else { return };
+        let extra = ((secs / plain - 1.0) / drafted as f64).max(0.0);
+        self.extra_row += EWMA * (extra - self.extra_row);
+        // What plain decoding would have spent on the tokens this verify emitted.
+        let lost = secs - (accepted + 1) as f64 * plain;
+        self.losses = if lost > plain { self.losses + 1 } else { 0 };
+        let paid = secs * MIN_GAIN < (accepted + 1) as f64 * plain;
+        if self.probing {
+            if paid {
+                self.off = false;
+                self.probe_after = PROBE_MIN;
+            } else {
+                self.probe_after = (self.probe_after * 2).clamp(PROBE_MIN, PROBE_MAX);
+            }
+        } else if self.losses >= 2 {
+            self.off = true;
+            self.probe_after = PROBE_MIN;
+        }
+        self.plain_streak = 0;
+        self.probing = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs the gate for `steps` steps against a world where a plain step costs 1 s, a verify of
+    /// k drafts `1 + extra * k` s, and each draft token is accepted when `right(step, i)`.
+    /// Returns (tokens emitted, seconds spent, verify steps).
+    fn simulate(max: usize, extra: f64, steps: usize, right: impl Fn(usize, usize) -> bool) -> (usize, f64, usize) {
+        let mut g = CostGate::new(max);
+        let (mut tokens, mut secs, mut verifies) = (0, 0.0, 0);
+        for s in 0..steps {
+            let k = g.choose();
+            if k == 0 {
+                g.note_plain(1.0);
+                tokens += 1;
+                secs += 1.0;
+            } else {
+                let a = (0..k).take_while(|&i| right(s, i)).count();
+                let t = 1.0 + extra * k as f64;
+                g.note_verify(k, a, t);
+                tokens += a + 1;
+                secs += t;
+                verifies += 1;
+            }
+        }
+        (tokens, secs, verifies)
+    }
+
+    #[test]
+    fn a_drafter_that_is_always_wrong_costs_almost_nothing() {
+        let (tokens, secs, verifies) = simulate(4, 0.6, 400, |_, _| false);
+        let slowdown = secs / tokens as f64;
+        assert!(slowdown < 1.03, "always-wrong drafts cost {slowdown:.3}x plain ({verifies} verifies)");
+        assert!(verifies >= 3, "it keeps probing now and then: {verifies}");
+    }
+
+    #[test]
+    fn a_drafter_that_is_always_right_drafts_the_most() {
+        let (tokens, secs, _) = simulate(4, 0.3, 200, |_, _| true);
+        let speedup = tokens as f64 / secs;
+        // Every verify of 4 emits 5 tokens for 2.2 s: the bound is 2.27x.
+        assert!(speedup > 2.0, "speed-up {speedup:.2}x");
+    }
+
+    #[test]
+    fn expensive_verifies_are_not_worth_even_good_drafts() {
+        // A verify row costs a whole plain step: even 70% acceptance cannot pay for it.
+        let (tokens, secs, _) = simulate(4, 1.0, 400, |s, i| (s * 7 + i * 3) % 10 < 7);
+        assert!(secs / tokens as f64 <= 1.03, "{:.3}", secs / tokens as f64);
+    }
+
+    #[test]
+    fn drafting_stops_when_the_drafter_turns_bad_and_resumes_when_it_recovers() {
+        // Right for 100 steps, wrong for 200, right again.
+        let phase = |s: usize| !(100..300).contains(&s);
+        let mut g = CostGate::new(4);
+        let mut lengths = Vec::new();
+        for s in 0..500 {
+            let k = g.choose();
+            lengths.push(k);
+            if k == 0 {
+                g.note_plain(1.0);
+            } else {
+                g.note_verify(k, if phase(s) { k } else { 0 }, 1.0 + 0.3 * k as f64);
+            }
+        }
+        assert!(lengths[50..100].iter().all(|&k| k == 4), "drafting at full length while right");
+        let bad = lengths[120..300].iter().filter(|&&k| k > 0).count();
+        assert!(bad <= 6, "{bad} verifies while wrong");
+        assert!(lengths[440..500].iter().all(|&k| k == 4), "drafting again after recovery: {:?}", &lengths[300..500]);
+    }
+}
