@@ -422,10 +422,10 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
 }
 
 /// A small, fast, seedable generator (xorshift64*), one stream per tensor.
-struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
-    fn for_tensor(seed: u64, name: &str) -> Rng {
+    pub(crate) fn for_tensor(seed: u64, name: &str) -> Rng {
         let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         for b in name.bytes() {
             h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
@@ -439,12 +439,12 @@ impl Rng {
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
     /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
+    pub(crate) fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 }
 
-fn to_bf16(x: f32) -> [u8; 2] {
+pub(crate) fn to_bf16(x: f32) -> [u8; 2] {
     // Round to nearest even.
     let b = x.to_bits();
     let r = b.wrapping_add(0x7FFF + ((b >> 16) & 1));
@@ -552,7 +552,7 @@ fn tokenizer_config(p: &Preset) -> Value {
     })
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path)?;

@@ -5,4 +5,5 @@ pub mod bench;
 pub mod demo;
 pub mod fuzz_store;
 pub mod gen_k3;
+pub mod gen_qwen3;
 pub mod oracle;

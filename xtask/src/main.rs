@@ -24,6 +24,17 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Write a small Qwen3-architecture draft checkpoint (Hugging Face layout, real tokenizer).
+    GenQwen3 {
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Share this K3 checkpoint's vocabulary (drafts then pass K3's ids directly) instead of
+        /// Qwen3's own tokenizer.
+        #[arg(long)]
+        vocab_from: Option<PathBuf>,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// The built-in demo: generate a small model, install it over two drives, stream it.
     Demo {
         #[arg(long, default_value = "Deltafin streams experts from SSDs, and")]
@@ -74,12 +85,16 @@ enum Cmd {
         seeds: Vec<u64>,
         #[arg(long, default_value_t = 24)]
         tokens: usize,
+        /// Instead: reference logits for the `gen-qwen3` drafts from mlx-lm's `qwen3`.
+        #[arg(long)]
+        qwen3: bool,
     },
 }
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::GenK3 { preset, seed, out } => xtask::gen_k3::generate(&preset, seed, &out),
+        Cmd::GenQwen3 { seed, vocab_from, out } => xtask::gen_qwen3::generate(seed, vocab_from.as_deref(), &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
         Cmd::Bench { which, quick, json, limiter, base } => xtask::bench::run(which, quick, json.as_deref(), limiter, base.as_deref()),
         Cmd::TestAarch64 => {
@@ -95,7 +110,13 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Oracle { seeds, tokens } => xtask::oracle::run(&seeds, tokens),
+        Cmd::Oracle { seeds, tokens, qwen3 } => {
+            if qwen3 {
+                xtask::oracle::run_qwen3()
+            } else {
+                xtask::oracle::run(&seeds, tokens)
+            }
+        }
         Cmd::FuzzStore { cases, seed, report } => xtask::fuzz_store::run_fuzz(cases, seed, report.as_deref(), None),
     }
 }

@@ -61,3 +61,44 @@ pub fn run(seeds: &[u64], tokens: usize) -> Result<()> {
     eprintln!("wrote {} fixtures to {}", seeds.len(), dir.display());
     Ok(())
 }
+
+/// The Qwen3 drafts the oracle checks: (fixture name, seed, share the tiny K3 fixture's vocabulary).
+pub const QWEN3_DRAFTS: [(&str, u64, bool); 2] = [("qwen3-vocab", 0, false), ("k3-vocab", 1, true)];
+
+/// The tiny K3 fixture whose vocabulary the `k3-vocab` draft shares.
+pub fn tiny_k3_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-k3-dev/checkpoint")
+}
+
+/// Token ids the Qwen3 oracle runs: a spread over `vocab`, starting with a real word or two.
+pub fn qwen3_ids(seed: u64, vocab: u64) -> Vec<u32> {
+    prompt_ids(seed + 100, 10, vocab)
+}
+
+/// Writes `tests/fixtures/qwen3/NAME.json` for each of [`QWEN3_DRAFTS`] from mlx-lm's `qwen3`.
+pub fn run_qwen3() -> Result<()> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3");
+    std::fs::create_dir_all(&dir)?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("oracle/mlx_qwen3_logits.py");
+    for (name, seed, k3_vocab) in QWEN3_DRAFTS {
+        let tmp = std::env::temp_dir().join(format!("deltafin-oracle-{name}"));
+        let fixture = tiny_k3_fixture();
+        crate::gen_qwen3::generate(seed, k3_vocab.then_some(fixture.as_path()), &tmp)?;
+        let ids = qwen3_ids(seed, if k3_vocab { 1000 } else { 151_643 });
+        let list = ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+        let out = dir.join(format!("{name}.json"));
+        let status = Command::new("python3")
+            .arg(&script)
+            .arg(&tmp)
+            .arg(&list)
+            .arg(&out)
+            .status()
+            .context("running python3 (is mlx-lm installed?)")?;
+        if !status.success() {
+            bail!("the mlx-lm qwen3 oracle failed for {name}");
+        }
+        std::fs::remove_dir_all(&tmp).ok();
+    }
+    eprintln!("wrote {} fixtures to {}", QWEN3_DRAFTS.len(), dir.display());
+    Ok(())
+}

@@ -36,7 +36,7 @@ pub use crate::{
         dot_bf16, dot_f32, dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_bf16, matmul_bf16_with, permute_for_mxfp4, Isa,
         IsaKind, Mxfp4Matrix, LANES,
     },
-    math::{argmax, rms_norm_in_place, situ},
+    math::{argmax, rms_norm_in_place, situ, softmax_in_place},
     model::{
         chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Recording, Residual, Route,
         LM_PREFIX,

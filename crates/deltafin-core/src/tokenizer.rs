@@ -275,6 +275,25 @@ impl HfTokenizer {
     pub fn vocab_len(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+    /// The bytes of token `id` in a byte-level BPE vocabulary (tokens spelled with GPT-2's
+    /// byte-to-character map, as Qwen's and most BPE `tokenizer.json` files are); `None` for an
+    /// unknown id or a token that is not spelled that way.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        self.inner.id_to_token(id)?.chars().map(byte_level_byte).collect()
+    }
+}
+
+/// The byte GPT-2's byte-level map spells as `c`: printable Latin-1 bytes stand for themselves,
+/// the other 68 bytes for the characters from U+0100 on, in byte order.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    static SHIFTED: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let c = c as u32;
+    if printable(c) {
+        return Some(c as u8);
+    }
+    let shifted = SHIFTED.get_or_init(|| (0u32..256).filter(|&b| !printable(b)).map(|b| b as u8).collect());
+    shifted.get(c.checked_sub(256)? as usize).copied()
 }
 
 #[cfg(test)]

@@ -4,14 +4,21 @@
 //! position, computed by the same batch-invariant kernels as plain decoding; the first mismatch
 //! is replaced by K3's choice. Output is therefore identical, token for token, to decoding without
 //! a drafter. This crate holds that rule ([`verify_greedy`]), the [`Drafter`] interface and
-//! model-free drafters (`drafters.rs`); the engine's generation (`deltafin-sched`) feeds drafts
-//! through its verify step and applies the rule. A draft model and the cost gate come next.
+//! model-free drafters (`drafters.rs`), a draft model (`qwen3.rs`, driven by `model_drafter.rs`)
+//! and the live cost gate that chooses each step's draft length (`gate.rs`); the engine's
+//! generation (`deltafin-sched`) feeds drafts through its verify step and applies the rule.
 
 mod drafters;
+mod error;
 mod gate;
+mod model_drafter;
+mod qwen3;
 
 pub use drafters::{FlakyDrafter, NgramDrafter, OracleDrafter, RandomDrafter};
+pub use error::{Error, Result};
 pub use gate::{CostGate, MIN_GAIN, PROBE_MAX, PROBE_MIN};
+pub use model_drafter::{DraftModel, ModelDrafter};
+pub use qwen3::{KvCache, Qwen3, Qwen3Config};
 
 use deltafin_core::{argmax, Mat};
 

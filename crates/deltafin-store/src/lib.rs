@@ -16,12 +16,14 @@
 
 mod checkpoint;
 mod doctor;
+mod draft;
 mod error;
 mod identity;
 mod lock;
 mod manifest;
 mod memory;
 mod reader;
+mod safetensors;
 mod setup;
 mod source;
 mod store;
@@ -30,6 +32,7 @@ mod streaming;
 pub use crate::{
     checkpoint::{read_header, Checkpoint, ExpertSpan, TensorEntry},
     doctor::{doctor, repair, DoctorReport},
+    draft::DraftCheckpoint,
     error::{Error, Result},
     identity::source_id,
     lock::{DirLock, LOCK_FILE},
