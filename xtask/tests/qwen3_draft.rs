@@ -96,3 +96,60 @@ fn k3s_vocabulary_as_tokenizer_json_encodes_like_k3() {
         assert_eq!(hf.encode(text).unwrap(), k3.encode_ordinary(text), "{text:?}");
     }
 }
+
+#[test]
+fn a_draft_model_never_changes_the_output_and_counts_in_the_ram_budget() {
+    use deltafin_sched::{DraftWith, EngineBuilder, GenerateOptions, Generator, OnToken};
+    std::env::set_var("DELTAFIN_QUIET", "1");
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = xtask::oracle::tiny_k3_fixture();
+    let (own, shared) = (tmp.path().join("own"), tmp.path().join("shared"));
+    xtask::gen_qwen3::generate(0, None, &own).unwrap();
+    xtask::gen_qwen3::generate(1, Some(&fixture), &shared).unwrap();
+    let k3 = k3_tokenizer();
+    let prompt = k3.encode_ordinary("one two three one two three one two three");
+    let run = |draft: Option<DraftWith>, gate: bool| {
+        let model = EngineBuilder::new(&fixture).draft(draft).open().unwrap();
+        let mut g = Generator::new(&model);
+        let mut ids = Vec::new();
+        let stats = g
+            .generate(
+                &prompt,
+                &GenerateOptions::new(24).draft_max(3).draft_gate(gate),
+                &mut OnToken(|s: deltafin_sched::Step<'_>| {
+                    ids.push(s.id);
+                    true
+                }),
+            )
+            .unwrap();
+        (ids, stats)
+    };
+    let (plain, _) = run(None, true);
+    for dir in [&own, &shared] {
+        for gate in [false, true] {
+            let (ids, stats) = run(Some(DraftWith::Model(dir.clone())), gate);
+            assert_eq!(ids, plain, "{} gate={gate}", dir.display());
+            if !gate {
+                assert!(stats.verifies > 0 && stats.drafted > 0, "fixed-length drafting verifies: {stats:?}");
+            }
+        }
+    }
+    // Inside a store's budget: the plan names the draft, and a budget without room for it says so.
+    let store = tmp.path().join("store");
+    deltafin_store::setup(&deltafin_store::SetupOptions::new(&fixture, &store), &deltafin_store::NoProgress).unwrap();
+    let opened = EngineBuilder::new(&store).ram_budget(Some(64 << 20)).draft(Some(DraftWith::Model(own.clone()))).open().unwrap();
+    let plan = opened.memory_plan().unwrap().clone();
+    assert!(plan.draft >= 19_000_000, "the draft's weights count: {plan:?}");
+    let without = EngineBuilder::new(&store).ram_budget(Some(64 << 20)).open().unwrap();
+    assert_eq!(without.memory_plan().unwrap().experts, plan.experts + plan.draft);
+    let err = EngineBuilder::new(&store)
+        .ram_budget(Some(plan.budget - plan.experts + 1))
+        .draft(Some(DraftWith::Model(own)))
+        .open()
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("draft model"), "{err}");
+    // A folder that is not a draft model is refused with what to do.
+    let err = EngineBuilder::new(&fixture).draft(Some(DraftWith::Model(tmp.path().join("nothing")))).open().err().unwrap();
+    assert!(err.to_string().contains("--draft ngram"), "{err}");
+}

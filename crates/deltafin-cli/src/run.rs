@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use deltafin::{EngineBuilder, GenerateOptions, Generator, LoadedModel, LogitRows, NgramDrafter, OnToken, Step};
+use deltafin::{DraftWith, EngineBuilder, GenerateOptions, Generator, LoadedModel, LogitRows, OnToken, Step};
 use deltafin::{Message, Role};
 
 /// Options shared by every command that opens a model.
@@ -46,9 +46,11 @@ pub struct ModelArgs {
     #[arg(long, value_parser = crate::store_cmds::parse_size)]
     pub pin: Option<u64>,
     /// Draft tokens for K3 to verify (speculative decoding; the output is identical): `ngram`
-    /// (prompt lookup over the text so far).
-    #[arg(long, value_parser = ["ngram"])]
-    pub draft: Option<String>,
+    /// (prompt lookup over the text so far), the folder of a Qwen3 draft model (Hugging Face
+    /// layout: config.json, safetensors, tokenizer.json), or `auto` (the model's `draft/`
+    /// folder if it has one, else ngram).
+    #[arg(long, value_name = "ngram|PATH|auto")]
+    pub draft: Option<DraftWith>,
     /// Most drafted tokens verified per step (the live cost gate picks each step's length, 0
     /// included, from measured verify costs and acceptance).
     #[arg(long, default_value_t = 4)]
@@ -71,13 +73,9 @@ impl ModelArgs {
     pub fn generate_options(&self, max_new: usize) -> GenerateOptions {
         GenerateOptions::new(max_new).draft_max(self.draft_max()).draft_gate(!self.draft_fixed)
     }
-    /// A generator over `model` with the drafter `--draft` asks for.
+    /// A generator over `model` (drafting with what `--draft` loaded).
     pub fn generator<'m>(&self, model: &'m LoadedModel) -> Generator<'m> {
-        let mut g = Generator::new(model);
-        if self.draft.as_deref() == Some("ngram") {
-            g.set_drafter(Some(Box::new(NgramDrafter::default())));
-        }
-        g
+        Generator::new(model)
     }
 }
 
@@ -95,6 +93,7 @@ impl ModelArgs {
             .pin_bytes(self.pin.unwrap_or(0))
             .split_reads_min(if self.no_split_reads { u64::MAX } else { deltafin::DEFAULT_SPLIT_MIN })
             .cache_policy(if self.cache_policy == "lru" { deltafin::CachePolicy::Lru } else { deltafin::CachePolicy::NextUse })
+            .draft(self.draft.clone())
             .open()
             .with_context(|| format!("opening model {}", self.model.display()))
     }
@@ -201,19 +200,23 @@ pub fn run(a: RunArgs) -> Result<()> {
     if a.stats {
         if let Some(p) = model.memory_plan() {
             eprintln!(
-                "RAM budget {:.1} MB: spine {:.1} MB, sequence state {:.1} MB, working {:.1} MB, experts {:.1} MB",
+                "RAM budget {:.1} MB: spine {:.1} MB, sequence state {:.1} MB, working {:.1} MB, draft {:.1} MB, experts {:.1} MB",
                 p.budget as f64 / 1e6,
                 p.spine as f64 / 1e6,
                 p.sequence_state as f64 / 1e6,
                 p.working as f64 / 1e6,
+                p.draft as f64 / 1e6,
                 p.experts as f64 / 1e6
             );
+        }
+        if let Some(d) = model.drafter_description() {
+            eprintln!("drafting with {d}");
         }
         eprintln!("{}", stats.summary());
     }
     if let Some(path) = &a.stats_json {
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&crate::stats_json::stats_json(&stats))?)
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&crate::stats_json::with_drafter(crate::stats_json::stats_json(&stats), &model))?)
             .with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, path)?;
     }

@@ -50,6 +50,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         model_name: name,
         keep_alive_s: a.keep_alive,
         draft_max: a.model.draft_max(),
+        draft_gate: !a.model.draft_fixed,
     };
     let margs = a.model.clone();
     deltafin_server::serve_blocking(cfg, move || margs.open().map_err(|e| format!("{e:#}")))?;

@@ -42,3 +42,9 @@ pub fn stats_json(s: &Stats) -> Value {
         "draft_probes": s.draft_probes,
     })
 }
+
+/// Adds what drafted (`drafter`: its description, or null).
+pub fn with_drafter(mut v: Value, model: &deltafin::LoadedModel) -> Value {
+    v["drafter"] = json!(model.drafter_description());
+    v
+}

@@ -51,9 +51,11 @@ pub struct Generator<'m> {
 }
 
 impl<'m> Generator<'m> {
-    /// A generator with nothing kept.
+    /// A generator with nothing kept, drafting with the model's drafter if it was opened with
+    /// one ([`crate::EngineBuilder::draft`]).
     pub fn new(model: &'m LoadedModel) -> Generator<'m> {
-        Generator { model, full: None, after_prompt: None, drafter: None }
+        let drafter = model.drafter().map(|d| d as Box<dyn Drafter + 'm>);
+        Generator { model, full: None, after_prompt: None, drafter }
     }
 
     /// Drafts tokens with `drafter` for K3 to verify (`None`: plain decoding). The output is the

@@ -9,10 +9,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deltafin_core::{Backend, ChatFormat, Cpu, K3Config, Model, Tokenizer, K3_PATTERN};
+use deltafin_spec::Drafter;
 use deltafin_store::{
     CacheMode, CachePolicy, Checkpoint, Error as StoreError, ExpertSource, MappedExperts, ReaderOptions, Store, StreamingExperts,
 };
 
+use crate::draft::{DraftWith, Drafting};
 use crate::engine::{Engine, EngineOptions};
 use crate::error::Result;
 use crate::sequence::Sequence;
@@ -36,6 +38,7 @@ pub struct EngineBuilder {
     split_min: u64,
     read_caps: Vec<u64>,
     backend: Option<Arc<dyn Backend>>,
+    draft: Option<DraftWith>,
 }
 
 /// Where the RAM budget goes, in bytes.
@@ -45,6 +48,8 @@ pub struct MemoryPlan {
     pub spine: u64,
     pub sequence_state: u64,
     pub working: u64,
+    /// The draft model's weights and cache (0 without one).
+    pub draft: u64,
     pub experts: u64,
 }
 
@@ -63,6 +68,7 @@ impl EngineBuilder {
             split_min: deltafin_store::DEFAULT_SPLIT_MIN,
             read_caps: Vec::new(),
             backend: None,
+            draft: None,
         }
     }
     /// Prefetch next-layer experts guessed from the current layer's output (on by default; no
@@ -118,6 +124,12 @@ impl EngineBuilder {
         self.backend = Some(backend);
         self
     }
+    /// Draft tokens with `with` (speculative decoding; output unchanged). A draft model is
+    /// loaded when the model opens, inside the RAM budget.
+    pub fn draft(mut self, with: Option<DraftWith>) -> Self {
+        self.draft = with;
+        self
+    }
     /// Bytes of the hottest experts (from the store's heat history) to keep pinned in RAM.
     pub fn pin_bytes(mut self, bytes: u64) -> Self {
         self.pin_bytes = bytes;
@@ -162,16 +174,29 @@ impl EngineBuilder {
         }
         let ckpt = Arc::new(Checkpoint::open(&self.path)?);
         let (ranks, tok_config) = ckpt.tokenizer_texts()?;
-        let tokenizer = Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?;
+        let tokenizer = Arc::new(Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?);
+        let drafting = self.draft.as_ref().map(|w| Drafting::open(w, &self.path, &tokenizer, self.compute())).transpose()?;
         let model = Model::load_with(ckpt.config().clone(), ckpt.as_ref(), self.compute())?;
         let experts: Arc<dyn ExpertSource> = Arc::new(MappedExperts::new(ckpt.clone())?);
         self.options.prefill_chunk = self.options.prefill_chunk.filter(|&c| c > 0);
-        Ok(LoadedModel { engine: Engine::new(model, experts, self.options), tokenizer, context: self.context, plan: None, store: None })
+        Ok(LoadedModel {
+            engine: Engine::new(model, experts, self.options),
+            tokenizer,
+            context: self.context,
+            plan: None,
+            store: None,
+            drafting,
+        })
     }
 
     fn open_store(mut self) -> Result<LoadedModel> {
         let mut store = Store::open(&self.path)?;
         let cfg = store.config().clone();
+        // The tokenizer and the draft model first: the draft's memory comes out of the budget.
+        let (ranks, tok_config) = store.tokenizer_texts()?;
+        let tokenizer = Arc::new(Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?);
+        let drafting = self.draft.as_ref().map(|w| Drafting::open(w, &self.path, &tokenizer, self.compute())).transpose()?;
+        let draft = drafting.as_ref().map_or(0, |d| d.memory_bytes(self.context));
         let spine = store.spine_bytes();
         let state = Sequence::max_bytes(&cfg, self.context) as u64;
         let expert_len = cfg.expert_shape().total_bytes() as u64;
@@ -185,30 +210,32 @@ impl EngineBuilder {
                     spine,
                     sequence_state: state,
                     working: EngineBuilder::working_bytes(&cfg, chunk, self.context),
+                    draft,
                     experts: all_experts,
                 }
             }
             Some(budget) => {
                 let chunk = *self.options.prefill_chunk.get_or_insert(DEFAULT_BUDGET_CHUNK);
                 let working = EngineBuilder::working_bytes(&cfg, chunk, self.context);
-                let fixed = spine + state + working;
+                let fixed = spine + state + working + draft;
                 let min = fixed + StreamingExperts::min_budget(cfg.expert_shape());
                 if budget < min {
                     return Err(StoreError::BudgetTooSmall {
                         budget,
                         minimum: min,
                         why: format!(
-                            "spine {:.1} MB + sequence state for {} tokens {:.1} MB + working memory {:.1} MB + one expert {:.1} MB",
+                            "spine {:.1} MB + sequence state for {} tokens {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
                             spine as f64 / 1e6,
                             self.context,
                             state as f64 / 1e6,
                             working as f64 / 1e6,
+                            draft as f64 / 1e6,
                             expert_len as f64 / 1e6
                         ),
                     }
                     .into());
                 }
-                MemoryPlan { budget, spine, sequence_state: state, working, experts: budget - fixed }
+                MemoryPlan { budget, spine, sequence_state: state, working, draft, experts: budget - fixed }
             }
         };
         // The hot tier: the hottest experts from past runs, up to pin_bytes (within the budget).
@@ -218,8 +245,6 @@ impl EngineBuilder {
         let per = deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
         let pinned: Vec<(usize, u32)> = heat.into_iter().take((pin_cap / per) as usize).map(|(k, _)| k).collect();
         store.load_spine()?;
-        let (ranks, tok_config) = store.tokenizer_texts()?;
-        let tokenizer = Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?;
         let experts = store.experts(ReaderOptions {
             queue_depth: self.queue_depth,
             cache_mode: self.cache_mode,
@@ -237,6 +262,7 @@ impl EngineBuilder {
             context: self.context,
             plan: Some(plan),
             store: Some(store),
+            drafting,
         })
     }
 }
@@ -244,10 +270,11 @@ impl EngineBuilder {
 /// A model ready to generate: engine, tokenizer and the data they borrow.
 pub struct LoadedModel {
     engine: Engine,
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     context: usize,
     plan: Option<MemoryPlan>,
     store: Option<Arc<Store>>,
+    drafting: Option<Drafting>,
 }
 
 impl LoadedModel {
@@ -266,6 +293,15 @@ impl LoadedModel {
     /// A fresh sequence at this model's context limit.
     pub fn new_sequence(&self) -> Sequence {
         Sequence::new(self.engine.model(), self.context)
+    }
+    /// A fresh drafter of the kind the model was opened with ([`EngineBuilder::draft`]), for one
+    /// generation or conversation; `None` without one.
+    pub fn drafter(&self) -> Option<Box<dyn Drafter + Send>> {
+        self.drafting.as_ref().map(|d| d.drafter(&self.tokenizer))
+    }
+    /// What drafts, in words (`None` without drafting).
+    pub fn drafter_description(&self) -> Option<String> {
+        self.drafting.as_ref().map(Drafting::describe)
     }
     /// How the RAM budget is split (stores only).
     pub fn memory_plan(&self) -> Option<&MemoryPlan> {

@@ -60,9 +60,11 @@ pub struct ServerConfig {
     pub model_name: String,
     /// Seconds between SSE keep-alive comments while a prompt is processed.
     pub keep_alive_s: u64,
-    /// Verify up to this many prompt-lookup drafts per step (0: plain decoding; the output is the
-    /// same either way).
+    /// Verify up to this many drafts per step when the model was opened with a drafter (0: plain
+    /// decoding; the output is the same either way).
     pub draft_max: usize,
+    /// Let the live cost gate choose each step's draft length (else always `draft_max`).
+    pub draft_gate: bool,
 }
 
 struct Ready {
@@ -96,7 +98,7 @@ pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel,
     tokio::task::spawn_blocking(move || match load() {
         Ok(model) => {
             let model = Arc::new(model);
-            let queue = worker::start(model.clone(), s.cfg.max_queue, s.cfg.draft_max, s.metrics.clone());
+            let queue = worker::start(model.clone(), s.cfg.max_queue, s.metrics.clone());
             let _ = s.ready.set(Ready { model, queue });
             eprintln!("deltafin: model ready");
         }
@@ -249,6 +251,7 @@ async fn handle(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Respo
         events: tx,
         cancel: cancel.clone(),
         draft_max: s.cfg.draft_max,
+        draft_gate: s.cfg.draft_gate,
     };
     if ready.queue.submit(job).is_err() {
         return error(

@@ -8,7 +8,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
-use deltafin::{Cancel, Error as EngineError, GenerateOptions, Generator, LoadedModel, NgramDrafter, Output, Stats, Step};
+use deltafin::{Cancel, Error as EngineError, GenerateOptions, Generator, LoadedModel, Output, Stats, Step};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
@@ -23,8 +23,10 @@ pub struct Job {
     pub logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
     pub cancel: Cancel,
-    /// Most drafts verified per step (with a drafter set).
+    /// Most drafts verified per step (with a drafter set), and whether the cost gate picks each
+    /// step's length.
     pub draft_max: usize,
+    pub draft_gate: bool,
 }
 
 /// What the worker reports back.
@@ -68,8 +70,8 @@ impl Queue {
 }
 
 /// Starts the worker thread for `model` with room for `max_queue` waiting jobs.
-/// `draft_max` > 0: verify up to that many prompt-lookup drafts per step.
-pub fn start(model: Arc<LoadedModel>, max_queue: usize, draft_max: usize, metrics: Arc<Metrics>) -> Queue {
+/// The generator drafts with the model's drafter, if it was opened with one.
+pub fn start(model: Arc<LoadedModel>, max_queue: usize, metrics: Arc<Metrics>) -> Queue {
     let (tx, rx) = mpsc::sync_channel::<Job>(max_queue);
     let depth = Arc::new(AtomicUsize::new(0));
     let d = depth.clone();
@@ -77,9 +79,6 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, draft_max: usize, metric
         .name("deltafin-engine".into())
         .spawn(move || {
             let mut generator = Generator::new(&model);
-            if draft_max > 0 {
-                generator.set_drafter(Some(Box::new(NgramDrafter::default())));
-            }
             while let Ok(job) = rx.recv() {
                 d.fetch_sub(1, Ordering::AcqRel);
                 if job.cancel.is_cancelled() || job.events.is_closed() {
@@ -126,7 +125,11 @@ fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
             panic!("injected fault: prompt contains token {id}");
         }
     }
-    let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone()).draft_max(job.draft_max);
+    let opts = GenerateOptions::new(job.max_tokens)
+        .stop_ids(job.stop_ids.clone())
+        .cancel(job.cancel.clone())
+        .draft_max(job.draft_max)
+        .draft_gate(job.draft_gate);
     let mut out = JobOutput { job: &job, last: None };
     match generator.generate(&job.prompt, &opts, &mut out) {
         Ok(stats) => {

@@ -83,7 +83,7 @@ impl CostGate {
         (self.hits + 1.0) / (self.tries + 2.0)
     }
 
-    /// Probes run so far.
+    /// Probes verified so far (a probe the drafter had nothing for does not count).
     pub fn probes(&self) -> u64 {
         self.probes
     }
@@ -115,7 +115,6 @@ impl CostGate {
         }
         if self.plain_streak >= self.probe_after {
             self.probing = true;
-            self.probes += 1;
             return 1;
         }
         0
@@ -146,6 +145,7 @@ impl CostGate {
         self.losses = if lost > plain { self.losses + 1 } else { 0 };
         let paid = secs * MIN_GAIN < (accepted + 1) as f64 * plain;
         if self.probing {
+            self.probes += 1;
             if paid {
                 self.off = false;
                 self.probe_after = PROBE_MIN;
