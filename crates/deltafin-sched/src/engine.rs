@@ -149,11 +149,12 @@ impl Engine {
         logit_rows: LogitRows,
         cancel: Option<&Cancel>,
     ) -> Result<(Mat, ForwardReport)> {
-        self.forward_inner(seq, ids, logit_rows, cancel, false)
+        self.forward_inner(seq, ids, logit_rows, cancel, false, &[]).map(|(m, r, _)| (m, r))
     }
 
     /// `guess_next`: another one-token pass will follow this one (generation), so the last layer
-    /// may prefetch for it.
+    /// may prefetch for it. Also returns the hidden states after each of `hidden` layers, every
+    /// row.
     fn forward_inner(
         &self,
         seq: &mut Sequence,
@@ -161,13 +162,15 @@ impl Engine {
         logit_rows: LogitRows,
         cancel: Option<&Cancel>,
         guess_next: bool,
-    ) -> Result<(Mat, ForwardReport)> {
+        hidden: &[usize],
+    ) -> Result<(Mat, ForwardReport, Vec<Mat>)> {
         if ids.is_empty() {
             return Err(Error::Invalid("nothing to run: the token list is empty".into()));
         }
         let chunk = self.options.prefill_chunk.unwrap_or(ids.len()).max(1);
         let mut report = ForwardReport::default();
         let mut logits: Option<Mat> = None;
+        let mut states: Vec<Mat> = Vec::new();
         for (i, part) in ids.chunks(chunk).enumerate() {
             let last_part = (i + 1) * chunk >= ids.len();
             let rows = match logit_rows {
@@ -176,8 +179,14 @@ impl Engine {
                 LogitRows::Last => None,
             };
             let phase = if part.len() == 1 { Phase::Decode } else { Phase::Prompt };
-            let mut slot = [Slot::new(seq, part, phase).logit_rows(rows.unwrap_or(LogitRows::Last))];
+            let mut slot = [Slot::new(seq, part, phase).logit_rows(rows.unwrap_or(LogitRows::Last)).hidden_states(hidden)];
             let out = self.step_inner(&mut slot, cancel, guess_next && last_part)?;
+            let h = out.hidden.into_iter().next().expect("one slot");
+            if states.is_empty() {
+                states = h;
+            } else {
+                states.iter_mut().zip(&h).for_each(|(s, h)| s.append(h));
+            }
             let r = out.report;
             report.read_wait += r.read_wait;
             report.distinct_expert_bytes += r.distinct_expert_bytes;
@@ -191,7 +200,7 @@ impl Engine {
                 }
             }
         }
-        Ok((logits.expect("the last chunk always yields logits"), report))
+        Ok((logits.expect("the last chunk always yields logits"), report, states))
     }
 
     /// The MoE layers a step walks, in order.
@@ -265,7 +274,13 @@ impl Engine {
     ) -> Result<Stats> {
         let start = Instant::now();
         let before = self.experts.stats();
-        let (logits, rep) = self.forward_inner(seq, prompt, LogitRows::Last, opts.cancel.as_ref(), opts.max_new > 1)?;
+        // A hidden-state drafter reads K3's hidden states at its layers for every kept token.
+        let hidden: Vec<usize> = drafter.as_deref().map(|d| d.hidden_layers()).unwrap_or_default();
+        let start_len = seq.ids.len();
+        let (logits, rep, states) = self.forward_inner(seq, prompt, LogitRows::Last, opts.cancel.as_ref(), opts.max_new > 1, &hidden)?;
+        if let (Some(d), false) = (drafter.as_deref_mut(), hidden.is_empty()) {
+            d.observe_hidden(start_len, &states);
+        }
         after_prompt(seq);
         let after_prefill = self.experts.stats();
         let ttft = start.elapsed();
@@ -312,7 +327,8 @@ impl Engine {
                     let mut ids = vec![next];
                     ids.extend_from_slice(&drafts);
                     let start = seq.ids.len();
-                    let out = self.step_inner(&mut [Slot::new(seq, &ids, Phase::Verify)], opts.cancel.as_ref(), false)?;
+                    let out =
+                        self.step_inner(&mut [Slot::new(seq, &ids, Phase::Verify).hidden_states(&hidden)], opts.cancel.as_ref(), false)?;
                     read_wait += out.report.read_wait;
                     let rows = out.logits.into_iter().next().expect("one slot");
                     let verdict = verify_greedy(&drafts, &rows);
@@ -336,7 +352,12 @@ impl Engine {
                             break;
                         }
                     }
-                    seq.rewind_to(&self.model, start + 1 + stopped_at.unwrap_or(verdict.accepted))?;
+                    let kept = 1 + stopped_at.unwrap_or(verdict.accepted);
+                    seq.rewind_to(&self.model, start + kept)?;
+                    if !hidden.is_empty() {
+                        let rows: Vec<Mat> = out.hidden[0].iter().map(|m| m.rows_range(0, kept)).collect();
+                        d.observe_hidden(start, &rows);
+                    }
                     if stopped_at.is_some() {
                         break;
                     }
@@ -345,7 +366,12 @@ impl Engine {
                     continue;
                 }
             }
-            let (l, r) = self.forward_inner(seq, &[next], LogitRows::Last, opts.cancel.as_ref(), generated + 1 < opts.max_new)?;
+            let at = seq.ids.len();
+            let (l, r, states) =
+                self.forward_inner(seq, &[next], LogitRows::Last, opts.cancel.as_ref(), generated + 1 < opts.max_new, &hidden)?;
+            if let (Some(d), false) = (drafter.as_deref_mut(), hidden.is_empty()) {
+                d.observe_hidden(at, &states);
+            }
             read_wait += r.read_wait;
             last = l.row(0).to_vec();
             next = argmax(&last);

@@ -41,13 +41,21 @@ pub struct Slot<'a> {
     pub(crate) ids: &'a [u32],
     pub(crate) logits: LogitRows,
     pub(crate) phase: Phase,
+    pub(crate) hidden: &'a [usize],
 }
 
 impl<'a> Slot<'a> {
     /// `ids` to run after what `seq` holds; logits for the last row (for every row when verifying).
     pub fn new(seq: &'a mut Sequence, ids: &'a [u32], phase: Phase) -> Slot<'a> {
         let logits = if phase == Phase::Verify { LogitRows::All } else { LogitRows::Last };
-        Slot { seq, ids, logits, phase }
+        Slot { seq, ids, logits, phase, hidden: &[] }
+    }
+    /// Also hand back the hidden state of every new row after each of `layers` (ascending
+    /// layer indices): the residual stream's running sum once the layer's MLP output has joined
+    /// it, what hidden-state drafters (EAGLE-3-style heads) read.
+    pub fn hidden_states(mut self, layers: &'a [usize]) -> Slot<'a> {
+        self.hidden = layers;
+        self
     }
     /// Which rows want logits.
     pub fn logit_rows(mut self, rows: LogitRows) -> Slot<'a> {
@@ -62,6 +70,9 @@ impl<'a> Slot<'a> {
 pub struct StepOutput {
     /// Per slot, in order: logits `[rows, vocab]` of the rows it asked for.
     pub logits: Vec<Mat>,
+    /// Per slot, in order: its hidden states `[rows, hidden]`, one per layer it asked for
+    /// ([`Slot::hidden_states`]).
+    pub hidden: Vec<Vec<Mat>>,
     /// Reads, waits and guesses of the step.
     pub report: ForwardReport,
 }
@@ -99,6 +110,10 @@ impl Engine {
                 .into());
             }
         }
+        let layers = self.model().config().num_layers;
+        if let Some(bad) = slots.iter().flat_map(|s| s.hidden.iter()).find(|&&l| l >= layers) {
+            return Err(Error::Invalid(format!("hidden states of layer {bad} asked for: the model has layers 0..{layers}")));
+        }
         for s in slots.iter_mut() {
             s.seq.begin_pass(s.phase);
         }
@@ -106,7 +121,7 @@ impl Engine {
         self.experts().begin_pass(self.moe_layers());
         let mut advanced = vec![0usize; slots.len()];
         match self.walk(slots, &mut advanced, cancel, guess_next) {
-            Ok((res, report)) => {
+            Ok((res, report, hidden)) => {
                 let mut logits = Vec::with_capacity(slots.len());
                 for (s, r) in slots.iter_mut().zip(&res) {
                     s.seq.commit_pass(s.ids, s.phase);
@@ -116,7 +131,7 @@ impl Engine {
                         LogitRows::Last => self.model().logits(r, n - 1..n),
                     });
                 }
-                Ok(StepOutput { logits, report })
+                Ok(StepOutput { logits, report, hidden })
             }
             Err(e) => {
                 for (s, &done) in slots.iter_mut().zip(&advanced) {
@@ -135,10 +150,11 @@ impl Engine {
         advanced: &mut [usize],
         cancel: Option<&Cancel>,
         guess_next: bool,
-    ) -> Result<(Vec<Residual>, ForwardReport)> {
+    ) -> Result<(Vec<Residual>, ForwardReport, Vec<Vec<Mat>>)> {
         let model = self.model();
         let cfg = model.config();
         let mut report = ForwardReport::default();
+        let mut hidden: Vec<Vec<Mat>> = slots.iter().map(|s| Vec::with_capacity(s.hidden.len())).collect();
         let mut res: Vec<Residual> = slots.iter().map(|s| model.embed(s.ids).map(Residual::new)).collect::<std::result::Result<_, _>>()?;
         // Prefetch pays only in decode (a prompt step demands most experts anyway), for a lone row.
         let lone_decode = slots.len() == 1 && slots[0].ids.len() == 1;
@@ -177,17 +193,20 @@ impl Engine {
                 }
             };
             let mut row = 0;
-            for (s, r) in slots.iter().zip(res.iter_mut()) {
+            for ((s, r), h) in slots.iter().zip(res.iter_mut()).zip(hidden.iter_mut()) {
                 let n = s.ids.len();
                 if n == out.rows {
                     model.finish_layer(r, &out);
                 } else {
                     model.finish_layer(r, &out.rows_range(row, n));
                 }
+                if s.hidden.contains(&l) {
+                    h.push(r.partial.clone());
+                }
                 row += n;
             }
         }
-        Ok((res, report))
+        Ok((res, report, hidden))
     }
 
     /// An MoE layer over the rows `x` of a whole step: route every row, request each distinct

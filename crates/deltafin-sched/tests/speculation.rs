@@ -107,3 +107,64 @@ fn speculation_over_a_streamed_store_under_a_tight_budget_is_exact() {
     };
     check(&EngineBuilder::new(&s).ram_budget(Some(min + (1 << 20))).open().unwrap(), "streamed");
 }
+
+/// A hidden-state drafter's view: it drafts like the oracle and records the states it is shown.
+struct Watcher {
+    oracle: OracleDrafter,
+    layers: Vec<usize>,
+    seen: Vec<(usize, Vec<deltafin_core::Mat>)>,
+}
+
+impl Drafter for Watcher {
+    fn draft(&mut self, context: &[u32], n: usize) -> Vec<u32> {
+        // Right twice, then wrong, so kept and rejected rows both occur.
+        let mut d = self.oracle.draft(context, n);
+        if let Some(last) = d.get_mut(2) {
+            *last = last.wrapping_add(1) % 1000;
+        }
+        d
+    }
+    fn hidden_layers(&self) -> Vec<usize> {
+        self.layers.clone()
+    }
+    fn observe_hidden(&mut self, first: usize, states: &[deltafin_core::Mat]) {
+        self.seen.push((first, states.to_vec()));
+    }
+}
+
+#[test]
+fn hidden_state_drafters_see_k3s_states_of_every_kept_token() {
+    use deltafin_sched::{Phase, Slot};
+    let model = EngineBuilder::new(fixture()).open().unwrap();
+    let layers = vec![0, model.engine().model().config().num_layers - 1];
+    let prompt = prompts()[0].clone();
+    let opts = GenerateOptions::new(16);
+    let (want, _) = plain(&model, &prompt, &opts);
+    let mut script = prompt.clone();
+    script.extend(&want);
+    let mut w = Watcher { oracle: OracleDrafter { script: script.clone() }, layers: layers.clone(), seen: Vec::new() };
+    let (got, _, stats) = speculative(&model, &prompt, &opts, &mut w, Some(4));
+    assert_eq!(got, want);
+    assert!(stats.verifies > 0 && stats.accepted < stats.drafted, "some drafts kept, some rejected: {stats:?}");
+    // Positions arrive in order, each once, for every token fed: the prompt and all generated
+    // tokens but the last.
+    let mut next = 0;
+    for (first, states) in &w.seen {
+        assert_eq!(*first, next, "positions in order, none repeated or skipped");
+        assert_eq!(states.len(), layers.len());
+        next += states[0].rows;
+    }
+    assert_eq!(next, prompt.len() + want.len() - 1);
+    // And they are the states a plain pass over the same tokens computes, bit for bit.
+    let fed = &script[..next];
+    let mut seq = model.new_sequence();
+    let out = model.engine().step(&mut [Slot::new(&mut seq, fed, Phase::Prompt).hidden_states(&layers)], None).unwrap();
+    for (k, _) in layers.iter().enumerate() {
+        let mut all = w.seen[0].1[k].clone();
+        for (_, s) in &w.seen[1..] {
+            all.append(&s[k]);
+        }
+        let bits = |m: &deltafin_core::Mat| m.data.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&all) == bits(&out.hidden[0][k]), "layer {}: the states shown differ from a plain pass", layers[k]);
+    }
+}

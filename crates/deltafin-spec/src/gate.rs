@@ -21,6 +21,9 @@
 //!   (up to [`PROBE_MAX`]), so a drafter that becomes right again is found, and one that never is
 //!   costs a probe every [`PROBE_MAX`] steps.
 //!
+//! - **a fresh baseline**: after [`PLAIN_REFRESH`] verifies in a row, one plain step measures
+//!   the plain cost again (prices are relative to it).
+//!
 //! No clock here: the engine measures and reports seconds.
 
 /// The least speed-up over plain decoding (as a ratio of tokens per second) worth drafting for,
@@ -29,6 +32,10 @@ pub const MIN_GAIN: f64 = 1.03;
 /// Plain steps between probes, first and at most.
 pub const PROBE_MIN: u32 = 8;
 pub const PROBE_MAX: u32 = 128;
+/// Verify steps in a row after which one plain step runs to measure the baseline again: every
+/// price is relative to it, and a stale one (the disk slowed down, another process took the
+/// CPU while it was measured) would make verifies look cheap or dear for the rest of the run.
+pub const PLAIN_REFRESH: u32 = 16;
 /// Weight of the newest measurement in the moving averages.
 const EWMA: f64 = 0.3;
 /// Factor by which older acceptance counts fade at each verify.
@@ -52,6 +59,8 @@ pub struct CostGate {
     off: bool,
     /// Plain steps since the last verify, and how many must pass before the next probe.
     plain_streak: u32,
+    /// Verify steps since the last plain step.
+    verify_streak: u32,
     probe_after: u32,
     /// The chosen length was a probe (judged on its own when it is noted).
     probing: bool,
@@ -72,6 +81,7 @@ impl CostGate {
             losses: 0,
             off: false,
             plain_streak: 0,
+            verify_streak: 0,
             probe_after: 1,
             probing: false,
             probes: 0,
@@ -103,7 +113,7 @@ impl CostGate {
     pub fn choose(&mut self) -> usize {
         self.probing = false;
         let Some(plain) = self.plain_s else { return 0 };
-        if self.max == 0 {
+        if self.max == 0 || self.verify_streak >= PLAIN_REFRESH {
             return 0;
         }
         let (best, rate) =
@@ -124,6 +134,7 @@ impl CostGate {
     pub fn note_plain(&mut self, secs: f64) {
         self.plain_s = Some(self.plain_s.map_or(secs, |p| p + EWMA * (secs - p)));
         self.plain_streak = self.plain_streak.saturating_add(1);
+        self.verify_streak = 0;
     }
 
     /// A verify of `drafted` tokens, of which `accepted` were K3's, took `secs` (drafting
@@ -157,6 +168,7 @@ impl CostGate {
             self.probe_after = PROBE_MIN;
         }
         self.plain_streak = 0;
+        self.verify_streak += 1;
         self.probing = false;
     }
 }
@@ -187,6 +199,25 @@ mod tests {
             }
         }
         (tokens, secs, verifies)
+    }
+
+    #[test]
+    fn a_stale_baseline_is_measured_again() {
+        // The first plain step was slow (a cold cache, a busy CPU): verifies look cheap at first,
+        // but the refreshed baseline shows what they cost, and drafting that never pays stops.
+        let mut g = CostGate::new(4);
+        g.note_plain(5.0);
+        let mut verifies_late = 0;
+        for s in 0..300 {
+            let k = g.choose();
+            if k == 0 {
+                g.note_plain(1.0);
+            } else {
+                g.note_verify(k, 0, 1.0 + 0.8 * k as f64);
+                verifies_late += usize::from(s >= 100);
+            }
+        }
+        assert!(verifies_late <= 3, "{verifies_late} verifies after the baseline was measured again");
     }
 
     #[test]
@@ -227,9 +258,9 @@ mod tests {
                 g.note_verify(k, if phase(s) { k } else { 0 }, 1.0 + 0.3 * k as f64);
             }
         }
-        assert!(lengths[50..100].iter().all(|&k| k == 4), "drafting at full length while right");
+        assert!(lengths[50..100].iter().filter(|&&k| k == 4).count() >= 45, "drafting at full length while right");
         let bad = lengths[120..300].iter().filter(|&&k| k > 0).count();
         assert!(bad <= 6, "{bad} verifies while wrong");
-        assert!(lengths[440..500].iter().all(|&k| k == 4), "drafting again after recovery: {:?}", &lengths[300..500]);
+        assert!(lengths[440..500].iter().filter(|&&k| k == 4).count() >= 55, "drafting again after recovery: {:?}", &lengths[300..500]);
     }
 }

@@ -16,7 +16,7 @@ mod qwen3;
 
 pub use drafters::{FlakyDrafter, NgramDrafter, OracleDrafter, RandomDrafter};
 pub use error::{Error, Result};
-pub use gate::{CostGate, MIN_GAIN, PROBE_MAX, PROBE_MIN};
+pub use gate::{CostGate, MIN_GAIN, PLAIN_REFRESH, PROBE_MAX, PROBE_MIN};
 pub use model_drafter::{DraftModel, ModelDrafter};
 pub use qwen3::{KvCache, Qwen3, Qwen3Config};
 
@@ -29,6 +29,19 @@ pub trait Drafter {
     /// How the last draft fared: `accepted` of its `drafted` tokens were K3's choices.
     fn accepted(&mut self, drafted: usize, accepted: usize) {
         let _ = (drafted, accepted);
+    }
+    /// The K3 layers whose hidden states this drafter reads, ascending (hidden-state drafters:
+    /// EAGLE-3 / DSpark-style heads fed by K3's states at a low, a middle and a high layer).
+    /// Empty, the default, for drafters that read only tokens.
+    fn hidden_layers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    /// K3's hidden states for the tokens at positions `first..first + rows` of the sequence, once
+    /// they are kept (rejected drafts' rows are never shown): `states[i]` `[rows, hidden]` after
+    /// layer `hidden_layers()[i]`, the residual stream's running sum once that layer's MLP output
+    /// has joined it. Called after the prompt and after every step, in position order.
+    fn observe_hidden(&mut self, first: usize, states: &[Mat]) {
+        let _ = (first, states);
     }
 }
 
