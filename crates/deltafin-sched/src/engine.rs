@@ -316,7 +316,13 @@ impl Engine {
             if let Some(d) = drafter.as_deref_mut() {
                 let room = seq.context_limit - seq.ids.len() - 1;
                 let chosen = match gate.as_mut() {
-                    Some(g) => g.choose(),
+                    Some(g) => {
+                        let k = g.choose();
+                        if std::env::var_os("DELTAFIN_GATE_TRACE").is_some() {
+                            eprintln!("gate: {:?} -> {k}", g.view());
+                        }
+                        k
+                    }
                     None => opts.draft_max,
                 };
                 let want = chosen.min(opts.max_new - generated).min(room);

@@ -106,7 +106,7 @@ fn union_ratio(model: &LoadedModel, prompt: &[u32], ids: &[u32]) -> Result<f64> 
 /// Runs every configuration `rounds` times, round-robin, on the store of `preset`; returns the
 /// markdown section.
 pub fn run(preset: &str, store: &Path, ckpt: &Path, budget: u64, quick: bool) -> Result<String> {
-    let (new, rounds) = if quick { (24, 2) } else { (64, 3) };
+    let (new, rounds) = if quick { (24, 2) } else { (96, 3) };
     let draft_dir = super::root().join(format!("models/{preset}-draft"));
     if !draft_dir.join("config.json").exists() {
         crate::gen_qwen3::generate(0, Some(ckpt), &draft_dir)?;
