@@ -1,5 +1,6 @@
 //! `deltafin`: the command-line front end over the `deltafin-sched` API.
 
+mod batch;
 mod run;
 mod serve;
 mod stats_json;
@@ -29,6 +30,8 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Chat in the terminal (streaming, history, Ctrl-C stops a reply).
     Chat(serve::ChatArgs),
+    /// Run an OpenAI Batch API file (JSONL) to completion, requests in lockstep; resumable.
+    Batch(batch::BatchArgs),
 }
 
 fn main() {
@@ -40,6 +43,7 @@ fn main() {
         Cmd::Doctor(a) => store_cmds::run_doctor(a),
         Cmd::Serve(a) => serve::run_serve(a),
         Cmd::Chat(a) => serve::run_chat(a),
+        Cmd::Batch(a) => batch::run_batch(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

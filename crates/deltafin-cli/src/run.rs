@@ -81,8 +81,13 @@ impl ModelArgs {
 
 impl ModelArgs {
     pub fn open(&self) -> Result<LoadedModel> {
-        // (shared by run, logits, serve and chat)
+        self.open_with(1)
+    }
+    /// Opens with room for `sequences` sequences at once (serve --max-batch, batch).
+    pub fn open_with(&self, sequences: usize) -> Result<LoadedModel> {
+        // (shared by run, logits, serve, chat and batch)
         EngineBuilder::new(&self.model)
+            .max_sequences(sequences)
             .context(self.context)
             .prefill_chunk(self.prefill_chunk)
             .prefetch(!self.no_prefetch)

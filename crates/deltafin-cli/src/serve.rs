@@ -36,6 +36,11 @@ pub struct ServeArgs {
     /// processed (so clients with idle timeouts do not give up).
     #[arg(long, default_value_t = 10)]
     pub keep_alive: u64,
+    /// Requests generated together, in lockstep: one expert read serves all of them, each gets
+    /// its solo output. The RAM budget must hold this many sequences' state. 1: one at a time
+    /// (with --draft and reuse of a conversation's kept state).
+    #[arg(long, default_value_t = 1)]
+    pub max_batch: usize,
 }
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
@@ -51,9 +56,11 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         keep_alive_s: a.keep_alive,
         draft_max: a.model.draft_max(),
         draft_gate: !a.model.draft_fixed,
+        max_batch: a.max_batch.max(1),
     };
     let margs = a.model.clone();
-    deltafin_server::serve_blocking(cfg, move || margs.open().map_err(|e| format!("{e:#}")))?;
+    let slots = a.max_batch.max(1);
+    deltafin_server::serve_blocking(cfg, move || margs.open_with(slots).map_err(|e| format!("{e:#}")))?;
     Ok(())
 }
 

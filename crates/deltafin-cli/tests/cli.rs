@@ -51,6 +51,33 @@ fn bad_input_gets_clear_errors() {
 }
 
 #[test]
+fn drafting_options_never_change_the_ids_and_say_what_drafted() {
+    let f = fixture();
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("s.json");
+    for extra in [&["--draft", "auto"][..], &["--draft", "ngram", "--draft-fixed", "--draft-max", "6"]] {
+        let out = ok(bin()
+            .args(["run", "--model"])
+            .arg(&f)
+            .args(["--ids", PROMPT_IDS, "--max-new", "16", "--print-ids"])
+            .args(extra)
+            .arg("--stats-json")
+            .arg(&json));
+        assert_eq!(out.trim(), REFERENCE_GREEDY, "{extra:?}");
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        // No draft/ folder beside the fixture: auto falls back to prompt lookup.
+        assert_eq!(v["drafter"], "prompt lookup (ngram)", "{extra:?}");
+        for key in ["acceptance_rate", "tokens_per_verify", "verify_union_bytes_mean", "expert_bytes_per_emitted_token", "draft_probes"] {
+            assert!(v[key].is_number(), "{key} missing: {v}");
+        }
+    }
+    // A draft folder that is not one: the error names it and says what to do instead.
+    let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "x", "--draft"]).arg(tmp.path().join("nothing")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("nothing") && err.contains("--draft ngram"), "{err}");
+}
+
+#[test]
 fn logits_file_has_one_row_per_position() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("l.safetensors");
@@ -183,4 +210,85 @@ fn chat_repl_streams_keeps_history_and_ctrl_c_stops_only_the_reply() {
     assert!(err.contains("(stopped)"), "{err}");
     assert!(err.contains("(new conversation)"), "{err}");
     assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty());
+}
+
+fn batch_lines(n: usize) -> String {
+    let mut s = String::new();
+    for i in 0..n {
+        let (url, body) = if i % 3 == 0 {
+            ("/v1/completions", serde_json::json!({"prompt": format!("Numbers {i} and"), "max_tokens": 5 + i % 4}))
+        } else {
+            (
+                "/v1/chat/completions",
+                serde_json::json!({"messages": [{"role": "user", "content": format!("Boat number {i}")}], "max_tokens": 4 + i % 5}),
+            )
+        };
+        s += &serde_json::json!({"custom_id": format!("req-{i}"), "method": "POST", "url": url, "body": body}).to_string();
+        s.push('\n');
+    }
+    // A request the server refuses is that line's result; the batch goes on.
+    s += r#"{"custom_id": "refused", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logit_bias": {"5": 1}}}"#;
+    s.push('\n');
+    s
+}
+
+/// custom_id -> (status, choices, usage) of each output line.
+fn batch_results(path: &Path) -> std::collections::BTreeMap<String, (u64, serde_json::Value, serde_json::Value)> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let id = v["custom_id"].as_str().unwrap().to_string();
+        let r = &v["response"];
+        let prev = out.insert(id.clone(), (r["status_code"].as_u64().unwrap(), r["body"]["choices"].clone(), r["body"]["usage"].clone()));
+        assert!(prev.is_none(), "{id} written twice");
+    }
+    out
+}
+
+#[test]
+fn a_killed_batch_resumes_to_the_uninterrupted_result() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    std::fs::write(&input, batch_lines(12)).unwrap();
+    let run = |out: &Path, env: &[(&str, &str)]| {
+        bin()
+            .args(["batch", "--model"])
+            .arg(fixture())
+            .arg("--input")
+            .arg(&input)
+            .arg("--output")
+            .arg(out)
+            .args(["--max-batch", "4"])
+            .envs(env.iter().copied())
+            .output()
+            .unwrap()
+    };
+    let whole = tmp.path().join("whole.jsonl");
+    let o = run(&whole, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = batch_results(&whole);
+    assert_eq!(want.len(), 13);
+    assert_eq!(want["refused"].0, 400);
+    assert!(want.iter().filter(|(k, _)| *k != "refused").all(|(_, v)| v.0 == 200));
+    // Killed after 5 lines, the 6th half written: the re-run cuts the torn line, skips the five.
+    let resumed = tmp.path().join("resumed.jsonl");
+    let o = run(&resumed, &[("DELTAFIN_FAULT_BATCH_CRASH_AFTER", "5")]);
+    assert!(!o.status.success(), "the planted crash happened");
+    let torn = std::fs::read_to_string(&resumed).unwrap();
+    assert_eq!(torn.matches('\n').count(), 5);
+    assert!(!torn.ends_with('\n'), "a torn line was left, as a crash mid-write leaves one");
+    let o = run(&resumed, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("5 done earlier"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(batch_results(&resumed), want, "resumed output differs from an uninterrupted run");
+    // Nothing left to do: a third run writes nothing.
+    let before = std::fs::read(&resumed).unwrap();
+    assert!(run(&resumed, &[]).status.success());
+    assert_eq!(std::fs::read(&resumed).unwrap(), before);
+    // A malformed envelope stops the batch before anything runs, naming the line.
+    std::fs::write(&input, "{\"custom_id\": \"a\", \"body\": {}}\n{\"custom_id\": \"a\", \"body\": {}}\n").unwrap();
+    let o = run(&tmp.path().join("x.jsonl"), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("line 2") && err.contains("twice"), "{err}");
 }

@@ -440,3 +440,48 @@ fn json_and_sse_shapes_match_snapshots() {
     snapshot("completion_stream", &json!(events));
     snapshot("refusal", &s.json("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "n": 2})).1);
 }
+
+#[test]
+fn eight_concurrent_streams_in_lockstep_get_their_solo_outputs() {
+    let prompts: Vec<String> = (0..8).map(|i| format!("Request {i}: tell me about {} boats", 3 * i + 1)).collect();
+    let body = |p: &str, stream: bool| {
+        let mut b = chat_body(p, 6 + prompts.iter().position(|q| q == p).unwrap());
+        b["logprobs"] = json!(true);
+        b["stream"] = json!(stream);
+        b
+    };
+    let solo = start(&[]);
+    let want: Vec<Value> = prompts.iter().map(|p| solo.json("/v1/chat/completions", &body(p, false)).1).collect();
+    drop(solo);
+    let s = start(&["--max-batch", "8"]);
+    let got: Vec<(Value, String)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let s = &s;
+                scope.spawn(move || {
+                    let (st, _, streamed) = s.post("/v1/chat/completions", &body(p, true));
+                    assert_eq!(st, 200);
+                    let (_, whole) = s.json("/v1/chat/completions", &body(p, false));
+                    (whole, streamed)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, ((whole, streamed), want)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(whole["choices"][0]["message"], want["choices"][0]["message"], "request {i}: whole response differs from solo");
+        assert_eq!(whole["choices"][0]["logprobs"], want["choices"][0]["logprobs"], "request {i}: logprobs differ from solo");
+        assert_eq!(whole["usage"]["completion_tokens"], want["usage"]["completion_tokens"]);
+        // The stream carries the same text.
+        let text: String = sse_data(streamed)
+            .iter()
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(text, want["choices"][0]["message"]["content"].as_str().unwrap_or(""), "request {i}: streamed text");
+    }
+    let (_, _, metrics) = s.request("GET", "/metrics", None, &[]).unwrap();
+    assert!(metrics.contains("deltafin_"), "{metrics}");
+}

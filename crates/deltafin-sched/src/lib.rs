@@ -22,6 +22,7 @@
 //! and drive access (that is `deltafin-store`). Whatever order it picks, output is identical:
 //! the core's kernels are batch-invariant and expert outputs are combined in a fixed order.
 
+mod batch;
 mod draft;
 mod engine;
 mod error;
@@ -35,6 +36,7 @@ pub use deltafin_core::argmax;
 pub use deltafin_store::{CacheMode, CachePolicy};
 
 pub use crate::{
+    batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, FinishReason, JobId},
     draft::{DraftWith, AUTO_DRAFT_DIR},
     engine::{Cancel, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows, Step},
     error::{Error, Result},

@@ -39,6 +39,7 @@ pub struct EngineBuilder {
     read_caps: Vec<u64>,
     backend: Option<Arc<dyn Backend>>,
     draft: Option<DraftWith>,
+    max_sequences: usize,
 }
 
 /// Where the RAM budget goes, in bytes.
@@ -69,6 +70,7 @@ impl EngineBuilder {
             read_caps: Vec::new(),
             backend: None,
             draft: None,
+            max_sequences: 1,
         }
     }
     /// Prefetch next-layer experts guessed from the current layer's output (on by default; no
@@ -122,6 +124,13 @@ impl EngineBuilder {
     /// What computes (default: the fastest CPU kernels). Every backend gives the same bits.
     pub fn backend(mut self, backend: Arc<dyn Backend>) -> Self {
         self.backend = Some(backend);
+        self
+    }
+    /// Sequence slots: how many sequences may hold state at once (a [`crate::Batcher`]'s jobs
+    /// in lockstep); the RAM budget holds each one's state at the context limit, and a step's
+    /// working memory for their rows. Default 1.
+    pub fn max_sequences(mut self, n: usize) -> Self {
+        self.max_sequences = n.max(1);
         self
     }
     /// Draft tokens with `with` (speculative decoding; output unchanged). A draft model is
@@ -183,6 +192,7 @@ impl EngineBuilder {
             engine: Engine::new(model, experts, self.options),
             tokenizer,
             context: self.context,
+            max_sequences: self.max_sequences,
             plan: None,
             store: None,
             drafting,
@@ -198,7 +208,8 @@ impl EngineBuilder {
         let drafting = self.draft.as_ref().map(|w| Drafting::open(w, &self.path, &tokenizer, self.compute())).transpose()?;
         let draft = drafting.as_ref().map_or(0, |d| d.memory_bytes(self.context));
         let spine = store.spine_bytes();
-        let state = Sequence::max_bytes(&cfg, self.context) as u64;
+        let slots = self.max_sequences as u64;
+        let state = slots * Sequence::max_bytes(&cfg, self.context) as u64;
         let expert_len = cfg.expert_shape().total_bytes() as u64;
         let all_experts = (cfg.moe_layers().len() * cfg.num_experts) as u64
             * deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
@@ -209,14 +220,15 @@ impl EngineBuilder {
                     budget: 0,
                     spine,
                     sequence_state: state,
-                    working: EngineBuilder::working_bytes(&cfg, chunk, self.context),
+                    working: EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context),
                     draft,
                     experts: all_experts,
                 }
             }
             Some(budget) => {
                 let chunk = *self.options.prefill_chunk.get_or_insert(DEFAULT_BUDGET_CHUNK);
-                let working = EngineBuilder::working_bytes(&cfg, chunk, self.context);
+                // A step runs one prompt chunk beside the other sequences' decode rows.
+                let working = EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context);
                 let fixed = spine + state + working + draft;
                 let min = fixed + StreamingExperts::min_budget(cfg.expert_shape());
                 if budget < min {
@@ -224,8 +236,9 @@ impl EngineBuilder {
                         budget,
                         minimum: min,
                         why: format!(
-                            "spine {:.1} MB + sequence state for {} tokens {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
+                            "spine {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
                             spine as f64 / 1e6,
+                            self.max_sequences,
                             self.context,
                             state as f64 / 1e6,
                             working as f64 / 1e6,
@@ -260,6 +273,7 @@ impl EngineBuilder {
             engine: Engine::new(model, Arc::new(experts), self.options),
             tokenizer,
             context: self.context,
+            max_sequences: self.max_sequences,
             plan: Some(plan),
             store: Some(store),
             drafting,
@@ -272,6 +286,7 @@ pub struct LoadedModel {
     engine: Engine,
     tokenizer: Arc<Tokenizer>,
     context: usize,
+    max_sequences: usize,
     plan: Option<MemoryPlan>,
     store: Option<Arc<Store>>,
     drafting: Option<Drafting>,
@@ -289,6 +304,14 @@ impl LoadedModel {
     /// The chat renderer.
     pub fn chat(&self) -> Result<ChatFormat<'_>> {
         Ok(ChatFormat::new(&self.tokenizer)?)
+    }
+    /// The context limit of its sequences.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+    /// Sequences that may hold state at once ([`EngineBuilder::max_sequences`]).
+    pub fn max_sequences(&self) -> usize {
+        self.max_sequences
     }
     /// A fresh sequence at this model's context limit.
     pub fn new_sequence(&self) -> Sequence {

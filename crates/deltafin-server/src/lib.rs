@@ -8,6 +8,7 @@
 //! its generation at once (checked between layers), and a follow-up whose rendered prompt extends
 //! the previous one resumes from the kept state (`usage.prompt_tokens_details.cached_tokens`).
 
+mod batch;
 mod metrics;
 mod output;
 mod request;
@@ -31,6 +32,7 @@ use deltafin::{Cancel, LoadedModel, Stats};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::unbounded_channel;
 
+pub use crate::batch::{run_batch, BatchConfig, BatchError, BatchProgress, BatchSummary};
 use crate::metrics::Metrics;
 use crate::output::{chat_logprob, Part};
 pub use crate::request::{parse as parse_request, ApiError};
@@ -65,6 +67,9 @@ pub struct ServerConfig {
     pub draft_max: usize,
     /// Let the live cost gate choose each step's draft length (else always `draft_max`).
     pub draft_gate: bool,
+    /// Requests generated together in lockstep (the model needs as many sequence slots); 1: one
+    /// at a time, with drafting and the kept-state cache.
+    pub max_batch: usize,
 }
 
 struct Ready {
@@ -98,7 +103,7 @@ pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel,
     tokio::task::spawn_blocking(move || match load() {
         Ok(model) => {
             let model = Arc::new(model);
-            let queue = worker::start(model.clone(), s.cfg.max_queue, s.metrics.clone());
+            let queue = worker::start(model.clone(), s.cfg.max_queue, s.cfg.max_batch, s.metrics.clone());
             let _ = s.ready.set(Ready { model, queue });
             eprintln!("deltafin: model ready");
         }

@@ -1,14 +1,21 @@
-//! The one engine thread: generations run one at a time, in arrival order, from a bounded queue.
+//! The one engine thread, fed from a bounded queue in arrival order.
 //!
-//! The worker's [`Generator`] keeps the state of the last generation; when a new prompt extends
-//! it (the usual chat follow-up), only the new tokens are run, bit-identical to a cold run
-//! (tested). A panic inside a generation is caught: the client gets an error, the server lives.
+//! With `--max-batch 1` generations run one at a time: the worker's [`Generator`] keeps the state
+//! of the last generation; when a new prompt extends it (the usual chat follow-up), only the new
+//! tokens are run, bit-identical to a cold run (tested). With more, a [`Batcher`] runs up to that
+//! many requests in lockstep, one expert read serving all of them; each gets its solo output.
+//! A panic inside a generation is caught: its clients get an error, the server lives.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
-use deltafin::{Cancel, Error as EngineError, GenerateOptions, Generator, LoadedModel, Output, Stats, Step};
+use std::collections::HashMap;
+
+use deltafin::{
+    BatchEvent, BatchJob, Batcher, Cancel, Error as EngineError, FinishReason, GenerateOptions, Generator, JobId, LoadedModel, Output,
+    Stats, Step,
+};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
@@ -69,15 +76,18 @@ impl Queue {
     }
 }
 
-/// Starts the worker thread for `model` with room for `max_queue` waiting jobs.
-/// The generator drafts with the model's drafter, if it was opened with one.
-pub fn start(model: Arc<LoadedModel>, max_queue: usize, metrics: Arc<Metrics>) -> Queue {
+/// Starts the worker thread for `model` with room for `max_queue` waiting jobs, running up to
+/// `max_batch` in lockstep (1: one at a time, with the generator's drafter and kept state).
+pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, metrics: Arc<Metrics>) -> Queue {
     let (tx, rx) = mpsc::sync_channel::<Job>(max_queue);
     let depth = Arc::new(AtomicUsize::new(0));
     let d = depth.clone();
     std::thread::Builder::new()
         .name("deltafin-engine".into())
         .spawn(move || {
+            if max_batch > 1 {
+                return run_batched(&model, max_batch, &rx, &d, &metrics);
+            }
             let mut generator = Generator::new(&model);
             while let Ok(job) = rx.recv() {
                 d.fetch_sub(1, Ordering::AcqRel);
@@ -146,6 +156,74 @@ fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
         }
         Err(e) => {
             let _ = job.events.send(Event::Failed(e.to_string()));
+        }
+    }
+}
+
+/// The lockstep loop: jobs join the batcher as they arrive and leave as they finish.
+fn run_batched(model: &LoadedModel, max_batch: usize, rx: &mpsc::Receiver<Job>, depth: &AtomicUsize, metrics: &Metrics) {
+    let mut batcher = Batcher::new(model, max_batch);
+    let mut jobs: HashMap<JobId, Job> = HashMap::new();
+    loop {
+        // Wait for work when idle; otherwise take whatever arrived since the last step.
+        let mut incoming = Vec::new();
+        if batcher.is_idle() {
+            match rx.recv() {
+                Ok(j) => incoming.push(j),
+                Err(_) => return,
+            }
+        }
+        incoming.extend(rx.try_iter());
+        for job in incoming {
+            depth.fetch_sub(1, Ordering::AcqRel);
+            if job.cancel.is_cancelled() || job.events.is_closed() {
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let _ = job.events.send(Event::Started { cached_tokens: 0 });
+            let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone());
+            let id = batcher.submit(BatchJob::new(job.prompt.clone(), opts));
+            jobs.insert(id, job);
+        }
+        let step = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            batcher.step(&mut |e: BatchEvent<'_>| match e {
+                BatchEvent::Token { job, step } => {
+                    let Some(j) = jobs.get(&job) else { return false };
+                    let (logprob, top) = match j.logprobs {
+                        Some(k) => logprobs(step.logits, step.id, k),
+                        None => (None, vec![]),
+                    };
+                    j.events.send(Event::Token { id: step.id, logprob, top }).is_ok() && !j.cancel.is_cancelled()
+                }
+                BatchEvent::PromptLogits { .. } => true,
+                BatchEvent::Finished { job, reason, stats } => {
+                    if let Some(j) = jobs.remove(&job) {
+                        if j.events.is_closed() {
+                            metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                        }
+                        metrics.record(&stats, 0);
+                        let _ = j.events.send(Event::Done { stats, cached_tokens: 0, hit_stop_id: reason == FinishReason::Stop });
+                    }
+                    true
+                }
+                BatchEvent::Failed { job, error } => {
+                    if let Some(j) = jobs.remove(&job) {
+                        if matches!(error, EngineError::Cancelled) {
+                            metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            let _ = j.events.send(Event::Failed(error.to_string()));
+                        }
+                    }
+                    true
+                }
+            })
+        }));
+        if step.is_err() {
+            metrics.panics.fetch_add(1, Ordering::Relaxed);
+            for (_, j) in jobs.drain() {
+                let _ = j.events.send(Event::Failed("internal error: the generation panicked; the server is still running".into()));
+            }
+            batcher = Batcher::new(model, max_batch);
         }
     }
 }

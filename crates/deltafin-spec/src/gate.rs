@@ -11,8 +11,9 @@
 //!   each the median of its last few measured steps (a stalled step does not move it); a length not yet measured is priced from the
 //!   measured cost of one extra row (prior: half a plain step);
 //! - **acceptance**: the chance a draft token is accepted given the ones before it were, from
-//!   decayed counts (a Beta(1, 1) prior), so a drafter that stops guessing well is priced down
-//!   within a few verifies;
+//!   decayed counts, estimated low (accepted / (judged + 1)): drafting is adopted on evidence,
+//!   never on hope, and a drafter that stops guessing well is priced down within a few
+//!   verifies;
 //! - a length k is worth `E(k) / cost(k)` tokens per second, `E(k) = 1 + p + ... + p^k`; the best
 //!   length is drafted only when it beats plain decoding by [`MIN_GAIN`];
 //! - **back-off and probes**: two verify steps in a row that each lose more than one plain step's
@@ -116,9 +117,11 @@ impl CostGate {
         }
     }
 
-    /// The estimated chance that a draft token is accepted, given the ones before it were.
+    /// The estimated chance that a draft token is accepted, given the ones before it were:
+    /// pessimistic (no acceptance is assumed without evidence; probes gather it), since a verify
+    /// that costs little more than a plain step would otherwise be run on hope.
     pub fn acceptance(&self) -> f64 {
-        (self.hits + 1.0) / (self.tries + 2.0)
+        self.hits / (self.tries + 1.0)
     }
 
     /// The gate's view, for tracing: (plain seconds, verify seconds per length, acceptance).

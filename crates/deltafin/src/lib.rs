@@ -35,9 +35,9 @@ pub use deltafin_core::{
     RESERVED,
 };
 pub use deltafin_sched::{
-    argmax, CacheMode, CachePolicy, Cancel, DraftWith, Engine, EngineBuilder, Error, GenerateOptions, Generator, LoadedModel, LogitRows,
-    MemoryPlan, OnToken, Output, Phase, Result, Sequence, Slot, Stats, Step, StepOutput, AUTO_DRAFT_DIR, DEFAULT_BUDGET_CHUNK,
-    DEFAULT_CONTEXT,
+    argmax, BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, CacheMode, CachePolicy, Cancel, DraftWith, Engine, EngineBuilder,
+    Error, FinishReason, GenerateOptions, Generator, JobId, LoadedModel, LogitRows, MemoryPlan, OnToken, Output, Phase, Result, Sequence,
+    Slot, Stats, Step, StepOutput, AUTO_DRAFT_DIR, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
 };
 pub use deltafin_spec::{Drafter, NgramDrafter};
 pub use deltafin_store::{DoctorReport, ExpertLayoutKind, HomeStats, NoProgress, Progress, SetupOptions, DEFAULT_SPLIT_MIN};

@@ -1,0 +1,345 @@
+//! Many sequences in lockstep: every step of a [`Batcher`] runs the next tokens of all its active
+//! sequences together, so each distinct expert a step routes is read once for all of them.
+//!
+//! Sequences join between steps (a joining prompt runs in the same step as the others' decode
+//! rows, in chunks of the engine's prefill chunk) and leave when they finish; the number active
+//! at once is bounded by the model's sequence slots ([`crate::EngineBuilder::max_sequences`]),
+//! whose state the RAM budget holds; the rest wait in order. The step is batch-invariant, so a
+//! sequence's ids and logits are bit-identical to running it alone, whoever shares its steps.
+//!
+//! A job may also ask for the logits of its prompt rows (prompt scoring: `echo` with logprobs,
+//! single-token classification); with `max_new` 0 it ends after its prompt.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use deltafin_core::{argmax, Mat};
+
+use crate::engine::{GenerateOptions, LogitRows, Step};
+use crate::error::{Error, Result};
+use crate::open::LoadedModel;
+use crate::sequence::Sequence;
+use crate::stats::Stats;
+use crate::step::{Phase, Slot};
+
+/// A job's number within its [`Batcher`], in submission order.
+pub type JobId = u64;
+
+/// One sequence to run.
+#[derive(Clone, Debug)]
+pub struct BatchJob {
+    pub prompt: Vec<u32>,
+    /// `max_new` (0: the prompt only), stop ids and a cancel flag; drafting is not used here.
+    pub opts: GenerateOptions,
+    /// Hand over the logits of every prompt row ([`BatchEvent::PromptLogits`]).
+    pub prompt_logits: bool,
+}
+
+impl BatchJob {
+    /// Up to `opts.max_new` tokens after `prompt`.
+    pub fn new(prompt: Vec<u32>, opts: GenerateOptions) -> BatchJob {
+        BatchJob { prompt, opts, prompt_logits: false }
+    }
+    /// Also hand over the prompt rows' logits.
+    pub fn with_prompt_logits(mut self) -> BatchJob {
+        self.prompt_logits = true;
+        self
+    }
+}
+
+/// Why a job ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It generated a stop id (emitted).
+    Stop,
+    /// It reached `max_new`, or the output said to stop.
+    Length,
+    /// Its sequence reached the context limit.
+    ContextLimit,
+}
+
+/// What a job's run produced, as it happens.
+pub enum BatchEvent<'a> {
+    /// Logits of prompt rows `first..first + logits.rows` (row `i`: the distribution after
+    /// prompt token `first + i`), for a job that asked; chunks arrive in order.
+    PromptLogits { job: JobId, first: usize, logits: &'a Mat },
+    /// One generated token.
+    Token { job: JobId, step: Step<'a> },
+    /// The job ended normally; its own stats (tokens, time to first token, decode rate).
+    Finished { job: JobId, reason: FinishReason, stats: Box<Stats> },
+    /// The job ended with an error (its own, or the step it shared failed); others go on.
+    Failed { job: JobId, error: &'a Error },
+}
+
+/// Receives a batch's events.
+pub trait BatchOutput {
+    /// An event; for [`BatchEvent::Token`], `false` ends that job after this token.
+    fn event(&mut self, event: BatchEvent<'_>) -> bool;
+}
+
+impl<F: FnMut(BatchEvent<'_>) -> bool> BatchOutput for F {
+    fn event(&mut self, event: BatchEvent<'_>) -> bool {
+        self(event)
+    }
+}
+
+/// Totals of a batch run.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct BatchStats {
+    pub jobs_finished: u64,
+    pub jobs_failed: u64,
+    pub steps: u64,
+    /// Sequences summed over steps (mean per step = this / steps).
+    pub sequence_steps: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    /// Bytes of the distinct experts the steps routed, summed.
+    pub distinct_expert_bytes: u64,
+    /// Expert bytes read from the drives.
+    pub expert_bytes_read: u64,
+    pub seconds: f64,
+}
+
+impl BatchStats {
+    /// Generated tokens per second over the whole run.
+    pub fn tok_s(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.generated_tokens as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+    /// Prompt and generated tokens per second.
+    pub fn all_tok_s(&self) -> f64 {
+        if self.seconds > 0.0 {
+            (self.prompt_tokens + self.generated_tokens) as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+    /// Mean sequences per step.
+    pub fn sequences_per_step(&self) -> f64 {
+        self.sequence_steps as f64 / (self.steps as f64).max(1.0)
+    }
+    /// Expert bytes read per generated token.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.expert_bytes_read as f64 / (self.generated_tokens as f64).max(1.0)
+    }
+}
+
+/// Where an active job stands.
+struct Active {
+    id: JobId,
+    job: BatchJob,
+    seq: Sequence,
+    /// Prompt tokens already run.
+    fed: usize,
+    /// The next token to run (its id was emitted already), once the prompt is done.
+    pending: Option<u32>,
+    generated: usize,
+    started: Instant,
+    first_token: Option<Instant>,
+}
+
+impl Active {
+    /// The job's own stats (the steps it shared are counted in the batch's).
+    fn stats(&self) -> Stats {
+        let now = Instant::now();
+        let first = self.first_token.unwrap_or(now);
+        let decode = (now - first).as_secs_f64();
+        Stats {
+            prompt_tokens: self.job.prompt.len(),
+            generated_tokens: self.generated,
+            ttft_s: (first - self.started).as_secs_f64(),
+            decode_tok_s: if self.generated > 1 && decode > 0.0 { (self.generated - 1) as f64 / decode } else { 0.0 },
+            total_s: (now - self.started).as_secs_f64(),
+            ..Stats::default()
+        }
+    }
+}
+
+/// Runs jobs in lockstep over one model (see the module doc).
+pub struct Batcher<'m> {
+    model: &'m LoadedModel,
+    max_active: usize,
+    waiting: VecDeque<(JobId, BatchJob)>,
+    active: Vec<Active>,
+    next_id: JobId,
+    stats: BatchStats,
+}
+
+impl<'m> Batcher<'m> {
+    /// A batcher running at most `max_active` sequences at once (and never more than the model
+    /// holds sequence slots for).
+    pub fn new(model: &'m LoadedModel, max_active: usize) -> Batcher<'m> {
+        let max_active = max_active.clamp(1, model.max_sequences());
+        Batcher { model, max_active, waiting: VecDeque::new(), active: Vec::new(), next_id: 0, stats: BatchStats::default() }
+    }
+
+    /// Sequences run at once at most.
+    pub fn max_active(&self) -> usize {
+        self.max_active
+    }
+
+    /// Queues a job; it starts when a sequence slot is free.
+    pub fn submit(&mut self, job: BatchJob) -> JobId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back((id, job));
+        id
+    }
+
+    /// No job waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.active.is_empty()
+    }
+
+    /// Jobs running now.
+    pub fn active(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Totals so far.
+    pub fn stats(&self) -> &BatchStats {
+        &self.stats
+    }
+
+    /// Checks a job before it takes a slot: an error here fails that job alone.
+    fn check(&self, job: &BatchJob) -> Result<()> {
+        let vocab = self.model.engine().model().config().vocab_size;
+        if job.prompt.is_empty() {
+            return Err(Error::Invalid("the prompt is empty".into()));
+        }
+        if let Some(&bad) = job.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(deltafin_core::Error::TokenOutOfRange { id: bad, vocab }.into());
+        }
+        let limit = self.model.context();
+        if job.prompt.len() > limit {
+            return Err(Error::Invalid(format!(
+                "the prompt has {} tokens, more than the context limit of {limit}; shorten it or raise --context",
+                job.prompt.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs every job to its end.
+    pub fn run(&mut self, out: &mut dyn BatchOutput) -> BatchStats {
+        while !self.is_idle() {
+            self.step(out);
+        }
+        self.stats.clone()
+    }
+
+    /// One engine step over every active job (admitting waiting ones first). Errors end the
+    /// jobs they concern, reported as [`BatchEvent::Failed`]; the batch goes on.
+    pub fn step(&mut self, out: &mut dyn BatchOutput) {
+        let start = Instant::now();
+        while self.active.len() < self.max_active {
+            let Some((id, job)) = self.waiting.pop_front() else { break };
+            if let Err(e) = self.check(&job) {
+                self.stats.jobs_failed += 1;
+                out.event(BatchEvent::Failed { job: id, error: &e });
+                continue;
+            }
+            let seq = self.model.new_sequence();
+            self.active.push(Active { id, job, seq, fed: 0, pending: None, generated: 0, started: Instant::now(), first_token: None });
+        }
+        // Cancelled jobs leave before the step.
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].job.opts.cancel.as_ref().is_some_and(|c| c.is_cancelled()) {
+                let a = self.active.remove(i);
+                self.stats.jobs_failed += 1;
+                out.event(BatchEvent::Failed { job: a.id, error: &Error::Cancelled });
+            } else {
+                i += 1;
+            }
+        }
+        if self.active.is_empty() {
+            return;
+        }
+        let chunk = self.model.engine().options().prefill_chunk.unwrap_or(usize::MAX).max(1);
+        // What each job runs in this step.
+        let plan: Vec<(Vec<u32>, Phase, LogitRows)> = self
+            .active
+            .iter()
+            .map(|a| match a.pending {
+                Some(t) => (vec![t], Phase::Decode, LogitRows::Last),
+                None => {
+                    let end = (a.fed + chunk).min(a.job.prompt.len());
+                    let rows = if a.job.prompt_logits { LogitRows::All } else { LogitRows::Last };
+                    (a.job.prompt[a.fed..end].to_vec(), Phase::Prompt, rows)
+                }
+            })
+            .collect();
+        let before = self.model.engine().experts().stats();
+        let result = {
+            let mut slots: Vec<Slot<'_>> = self
+                .active
+                .iter_mut()
+                .zip(&plan)
+                .map(|(a, (ids, phase, rows))| Slot::new(&mut a.seq, ids, *phase).logit_rows(*rows))
+                .collect();
+            self.model.engine().step(&mut slots, None)
+        };
+        self.stats.steps += 1;
+        self.stats.sequence_steps += self.active.len() as u64;
+        self.stats.expert_bytes_read += self.model.engine().experts().stats().bytes_read - before.bytes_read;
+        let output = match result {
+            Ok(o) => o,
+            Err(e) => {
+                // The step was undone for everyone; the jobs in it fail, the waiting go on.
+                for a in self.active.drain(..) {
+                    self.stats.jobs_failed += 1;
+                    out.event(BatchEvent::Failed { job: a.id, error: &e });
+                }
+                self.stats.seconds += start.elapsed().as_secs_f64();
+                return;
+            }
+        };
+        self.stats.distinct_expert_bytes += output.report.distinct_expert_bytes;
+        let mut done = Vec::new();
+        for (i, (logits, (ids, phase, _))) in output.logits.iter().zip(&plan).enumerate() {
+            let a = &mut self.active[i];
+            let last = logits.row(logits.rows - 1);
+            if *phase == Phase::Prompt {
+                if a.job.prompt_logits {
+                    out.event(BatchEvent::PromptLogits { job: a.id, first: a.fed, logits });
+                }
+                a.fed += ids.len();
+                self.stats.prompt_tokens += ids.len() as u64;
+                if a.fed < a.job.prompt.len() {
+                    continue;
+                }
+                if a.job.opts.max_new == 0 {
+                    done.push((i, FinishReason::Length));
+                    continue;
+                }
+            }
+            // A new token, chosen exactly as plain generation chooses it.
+            let t = argmax(last);
+            a.generated += 1;
+            a.first_token.get_or_insert_with(Instant::now);
+            self.stats.generated_tokens += 1;
+            let keep_going = out.event(BatchEvent::Token { job: a.id, step: Step { id: t, logits: last } });
+            if a.job.opts.stop_ids.contains(&t) {
+                done.push((i, FinishReason::Stop));
+            } else if !keep_going || a.generated == a.job.opts.max_new {
+                done.push((i, FinishReason::Length));
+            } else if a.seq.ids().len() + 1 > a.seq.context_limit() {
+                done.push((i, FinishReason::ContextLimit));
+            } else {
+                a.pending = Some(t);
+            }
+        }
+        let mut ended: Vec<(Active, FinishReason)> = done.iter().rev().map(|&(i, r)| (self.active.remove(i), r)).collect();
+        ended.reverse();
+        for (a, reason) in ended {
+            self.stats.jobs_finished += 1;
+            out.event(BatchEvent::Finished { job: a.id, reason, stats: Box::new(a.stats()) });
+        }
+        self.stats.seconds += start.elapsed().as_secs_f64();
+    }
+}

@@ -1,0 +1,167 @@
+//! Sequences in lockstep: each job's ids and logits are bit-identical to running it alone,
+//! whoever shares its steps, with jobs joining and leaving mid-way, in RAM and over a streamed
+//! store under a tight budget on two drives; a job's own error fails it alone.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use deltafin_sched::{BatchEvent, BatchJob, Batcher, EngineBuilder, FinishReason, GenerateOptions, LoadedModel, LogitRows};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
+}
+
+fn jobs() -> Vec<BatchJob> {
+    let p = |seed: u32, n: u32| (0..n).map(|i| (i * 37 + seed * 101 + 5) % 1000).collect::<Vec<u32>>();
+    vec![
+        BatchJob::new(p(1, 9), GenerateOptions::new(12)),
+        BatchJob::new(p(2, 3), GenerateOptions::new(5)),
+        BatchJob::new(p(3, 17), GenerateOptions::new(20)),
+        BatchJob::new(p(4, 6), GenerateOptions::new(9).stop_ids(vec![419, 163, 307, 775])),
+        BatchJob::new(p(5, 1), GenerateOptions::new(1)),
+        BatchJob::new(p(6, 11), GenerateOptions::new(0)).with_prompt_logits(),
+        BatchJob::new(p(7, 8), GenerateOptions::new(7)).with_prompt_logits(),
+    ]
+}
+
+type Bits = Vec<u32>;
+/// A job's ids, its tokens' logits and its prompt rows' logits, as bits.
+type Run = (Vec<u32>, Vec<Bits>, Vec<Bits>);
+
+fn bits(v: &[f32]) -> Bits {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// (ids, logits bits per token, prompt logits bits per row)
+fn solo(model: &LoadedModel, job: &BatchJob) -> Run {
+    let mut prompt_rows = Vec::new();
+    if job.prompt_logits {
+        let mut seq = model.new_sequence();
+        let (m, _) = model.engine().forward(&mut seq, &job.prompt, LogitRows::All).unwrap();
+        prompt_rows = (0..m.rows).map(|r| bits(m.row(r))).collect();
+    }
+    let (mut ids, mut logits) = (Vec::new(), Vec::new());
+    if job.opts.max_new > 0 {
+        let mut seq = model.new_sequence();
+        model
+            .engine()
+            .generate_with(&mut seq, &job.prompt, &job.opts, |s| {
+                ids.push(s.id);
+                logits.push(bits(s.logits));
+                true
+            })
+            .unwrap();
+    }
+    (ids, logits, prompt_rows)
+}
+
+fn check(model: &LoadedModel, max_active: usize, label: &str) {
+    let jobs = jobs();
+    let mut batcher = Batcher::new(model, max_active);
+    assert_eq!(batcher.max_active(), max_active.min(model.max_sequences()));
+    for j in &jobs {
+        batcher.submit(j.clone());
+    }
+    let mut got: HashMap<u64, Run> = HashMap::new();
+    let mut finished = Vec::new();
+    let mut most_active = 0;
+    while !batcher.is_idle() {
+        batcher.step(&mut |e: BatchEvent<'_>| {
+            match e {
+                BatchEvent::Token { job, step } => {
+                    let g = got.entry(job).or_default();
+                    g.0.push(step.id);
+                    g.1.push(bits(step.logits));
+                }
+                BatchEvent::PromptLogits { job, first, logits } => {
+                    let g = got.entry(job).or_default();
+                    assert_eq!(g.2.len(), first, "prompt rows arrive in order");
+                    g.2.extend((0..logits.rows).map(|r| bits(logits.row(r))));
+                }
+                BatchEvent::Finished { job, reason, .. } => finished.push((job, reason)),
+                BatchEvent::Failed { job, error } => panic!("{label}: job {job} failed: {error}"),
+            }
+            true
+        });
+        most_active = most_active.max(batcher.active());
+    }
+    assert_eq!(most_active, max_active.min(model.max_sequences()).min(jobs.len()), "{label}: slots filled");
+    assert_eq!(finished.len(), jobs.len());
+    for (i, job) in jobs.iter().enumerate() {
+        let want = solo(model, job);
+        let have = got.remove(&(i as u64)).unwrap_or_default();
+        assert_eq!(have.0, want.0, "{label}: job {i}'s ids differ from its solo run");
+        assert!(have.1 == want.1, "{label}: job {i}'s logits differ from its solo run");
+        assert!(have.2 == want.2, "{label}: job {i}'s prompt logits differ from a solo forward");
+        let reason = finished.iter().find(|(j, _)| *j == i as u64).unwrap().1;
+        if job.opts.stop_ids.iter().any(|s| have.0.last() == Some(s)) {
+            assert_eq!(reason, FinishReason::Stop);
+        } else {
+            assert_eq!(reason, FinishReason::Length);
+        }
+    }
+    let s = batcher.stats();
+    assert!(s.sequences_per_step() > 1.5, "{label}: sequences shared steps: {}", s.sequences_per_step());
+}
+
+#[test]
+fn lockstep_jobs_match_their_solo_runs_bit_for_bit() {
+    let model = EngineBuilder::new(fixture()).max_sequences(3).open().unwrap();
+    check(&model, 3, "in RAM, 3 at a time");
+    check(&model, 8, "in RAM, asking for more slots than the model has");
+    let chunked = EngineBuilder::new(fixture()).max_sequences(4).prefill_chunk(Some(4)).open().unwrap();
+    check(&chunked, 4, "prompts in chunks of 4 beside decode rows");
+}
+
+fn store(dir: &Path) -> PathBuf {
+    let out = dir.join("store");
+    let homes = vec![dir.join("d0"), dir.join("d1")];
+    deltafin_store::setup(&deltafin_store::SetupOptions::new(fixture(), &out).homes(homes), &deltafin_store::NoProgress).unwrap();
+    out
+}
+
+#[test]
+fn lockstep_over_a_streamed_store_under_a_tight_budget_is_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = store(tmp.path());
+    let min = {
+        let e = EngineBuilder::new(&s).max_sequences(3).ram_budget(Some(1)).open().err().unwrap().to_string();
+        assert!(e.contains("3 sequence(s)"), "{e}");
+        let at = e.find("at least ").unwrap() + "at least ".len();
+        e[at..].split_whitespace().next().unwrap().parse::<u64>().unwrap()
+    };
+    let model = EngineBuilder::new(&s).max_sequences(3).ram_budget(Some(min + (1 << 20))).open().unwrap();
+    let one = EngineBuilder::new(&s).ram_budget(Some(min)).open().unwrap();
+    assert!(
+        model.memory_plan().unwrap().sequence_state >= 3 * one.memory_plan().unwrap().sequence_state,
+        "the budget holds every slot's state"
+    );
+    check(&model, 3, "streamed, tight budget, two drives");
+}
+
+#[test]
+fn a_bad_job_fails_alone() {
+    let model = EngineBuilder::new(fixture()).max_sequences(2).open().unwrap();
+    let mut b = Batcher::new(&model, 2);
+    let good = b.submit(BatchJob::new(vec![5, 6, 7], GenerateOptions::new(4)));
+    let bad = b.submit(BatchJob::new(vec![5, 99_999], GenerateOptions::new(4)));
+    let empty = b.submit(BatchJob::new(vec![], GenerateOptions::new(4)));
+    let mut failed = Vec::new();
+    let mut tokens = 0;
+    let stats = b.run(&mut |e: BatchEvent<'_>| {
+        match e {
+            BatchEvent::Failed { job, error } => failed.push((job, error.to_string())),
+            BatchEvent::Token { job, .. } => {
+                assert_eq!(job, good);
+                tokens += 1;
+            }
+            _ => {}
+        }
+        true
+    });
+    assert_eq!(tokens, 4);
+    assert_eq!(failed.len(), 2);
+    assert!(failed.iter().any(|(j, e)| *j == bad && e.contains("outside the vocabulary")), "{failed:?}");
+    assert!(failed.iter().any(|(j, e)| *j == empty && e.contains("empty")), "{failed:?}");
+    assert_eq!((stats.jobs_finished, stats.jobs_failed), (1, 2));
+}

@@ -1,0 +1,241 @@
+//! `deltafin batch`: files in the OpenAI Batch API line format (what `vllm run-batch` reads and
+//! writes) run through the server's own request handling, in process, up to `max_batch`
+//! requests in lockstep so each expert read serves all of them.
+//!
+//! In: one JSON object per line, `custom_id`, `method` (`POST`), `url` (`/v1/chat/completions` or
+//! `/v1/completions`), `body`. Out: one line per request, `id`, `custom_id`, `response`
+//! (`status_code`, `request_id`, `body`: exactly what the server would answer) and `error`, in
+//! the order requests finish.
+//!
+//! **Resumable.** Each result is appended whole and synced before the next is written; a re-run
+//! first cuts off a torn last line (a crash mid-write), then skips every `custom_id` already in
+//! the output, so no line is lost or written twice. A request's own error (a refused field, a
+//! prompt too long) is that line's result and the batch goes on; a malformed envelope (no
+//! `custom_id`, a repeated one, not JSON) stops the batch before anything runs, naming the line.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::http::{header, Request as HttpRequest};
+use deltafin::LoadedModel;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+use crate::{router, AppState, Ready, ServerConfig};
+
+/// What a batch run needs.
+#[derive(Clone, Debug)]
+pub struct BatchConfig {
+    pub input: PathBuf,
+    pub output: PathBuf,
+    /// Requests run in lockstep at most (the model must hold as many sequence slots).
+    pub max_batch: usize,
+    pub model_name: String,
+    pub default_max_tokens: usize,
+}
+
+/// Progress of a batch run, for a progress bar.
+pub trait BatchProgress {
+    /// `total` requests, of which `done` were finished by an earlier run.
+    fn start(&mut self, total: usize, done: usize);
+    /// One more request finished, having generated `tokens`.
+    fn line(&mut self, tokens: u64);
+}
+
+/// What a batch run did.
+#[derive(Clone, Debug, Default)]
+pub struct BatchSummary {
+    pub total: usize,
+    /// Finished by an earlier run (found in the output).
+    pub skipped: usize,
+    /// Answered 200 / answered with an error.
+    pub succeeded: usize,
+    pub failed: usize,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub seconds: f64,
+}
+
+/// Why a batch could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path} line {line}: {why}")]
+    Input { path: PathBuf, line: usize, why: String },
+}
+
+/// One request line.
+struct Line {
+    custom_id: String,
+    url: String,
+    method: String,
+    body: Value,
+}
+
+fn read_input(path: &PathBuf) -> Result<Vec<Line>, BatchError> {
+    let text = std::fs::read_to_string(path).map_err(|source| BatchError::Io { path: path.clone(), source })?;
+    let mut seen = HashSet::new();
+    let mut lines = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let bad = |why: String| BatchError::Input { path: path.clone(), line: i + 1, why };
+        let v: Value = serde_json::from_str(raw).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let field = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
+        let custom_id = field("custom_id").ok_or_else(|| bad("no `custom_id` string".into()))?;
+        if !seen.insert(custom_id.clone()) {
+            return Err(bad(format!("`custom_id` {custom_id:?} appears twice; each request needs its own")));
+        }
+        let body = v.get("body").filter(|b| b.is_object()).cloned().ok_or_else(|| bad("no `body` object".into()))?;
+        lines.push(Line {
+            custom_id,
+            url: field("url").unwrap_or_default(),
+            method: field("method").unwrap_or_else(|| "POST".into()),
+            body,
+        });
+    }
+    Ok(lines)
+}
+
+/// The `custom_id`s the output already holds, after cutting off a torn last line.
+fn finished_ids(path: &PathBuf) -> Result<HashSet<String>, BatchError> {
+    let io = |source| BatchError::Io { path: path.clone(), source };
+    let Ok(bytes) = std::fs::read(path) else { return Ok(HashSet::new()) };
+    let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |p| p + 1);
+    if whole < bytes.len() {
+        let f = std::fs::OpenOptions::new().write(true).open(path).map_err(io)?;
+        f.set_len(whole as u64).map_err(io)?;
+        f.sync_all().map_err(io)?;
+    }
+    let mut done = HashSet::new();
+    for line in String::from_utf8_lossy(&bytes[..whole]).lines() {
+        if let Some(id) =
+            serde_json::from_str::<Value>(line).ok().and_then(|v| v.get("custom_id").and_then(Value::as_str).map(str::to_string))
+        {
+            done.insert(id);
+        }
+    }
+    Ok(done)
+}
+
+/// Runs one line through the router; returns its output object and completion tokens.
+async fn answer(app: axum::Router, line: Line, n: u64) -> (Value, u64, u64, bool) {
+    let error_line = |code: &str, message: String| json!({"id": format!("batch_req_{n:08x}"), "custom_id": line.custom_id, "response": null, "error": {"code": code, "message": message}});
+    if line.method != "POST" {
+        return (error_line("invalid_method", format!("method {:?}: only POST is supported", line.method)), 0, 0, false);
+    }
+    if line.url != "/v1/chat/completions" && line.url != "/v1/completions" {
+        return (error_line("invalid_url", format!("url {:?}: use /v1/chat/completions or /v1/completions", line.url)), 0, 0, false);
+    }
+    if line.body.get("stream").and_then(Value::as_bool) == Some(true) {
+        return (error_line("invalid_request", "`stream`: a batch cannot stream; leave it out".into()), 0, 0, false);
+    }
+    let req = HttpRequest::post(&line.url)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(serde_json::to_vec(&line.body).unwrap_or_default()))
+        .expect("a valid request");
+    let resp = match app.oneshot(req).await {
+        Ok(r) => r,
+        Err(e) => return (error_line("internal_error", e.to_string()), 0, 0, false),
+    };
+    let status = resp.status().as_u16();
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap_or_default();
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let (p, c) = (body["usage"]["prompt_tokens"].as_u64().unwrap_or(0), body["usage"]["completion_tokens"].as_u64().unwrap_or(0));
+    let out = json!({
+        "id": format!("batch_req_{n:08x}"),
+        "custom_id": line.custom_id,
+        "response": {"status_code": status, "request_id": format!("req_{n:08x}"), "body": body},
+        "error": null
+    });
+    (out, p, c, status == 200)
+}
+
+/// Runs the batch in `cfg` on `model` (opened with at least `cfg.max_batch` sequence slots).
+pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn BatchProgress) -> Result<BatchSummary, BatchError> {
+    let lines = read_input(&cfg.input)?;
+    let done = finished_ids(&cfg.output)?;
+    let total = lines.len();
+    let pending: Vec<Line> = lines.into_iter().filter(|l| !done.contains(&l.custom_id)).collect();
+    let mut summary = BatchSummary { total, skipped: total - pending.len(), ..Default::default() };
+    progress.start(total, summary.skipped);
+    let io = |source| BatchError::Io { path: cfg.output.clone(), source };
+    let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&cfg.output).map_err(io)?;
+    let start = Instant::now();
+    let max_batch = cfg.max_batch.max(1);
+    let server = ServerConfig {
+        host: String::new(),
+        port: 0,
+        api_key: None,
+        max_queue: 2 * max_batch,
+        max_body_bytes: usize::MAX,
+        default_max_tokens: cfg.default_max_tokens,
+        model_name: cfg.model_name.clone(),
+        keep_alive_s: 15,
+        draft_max: 0,
+        draft_gate: true,
+        max_batch,
+    };
+    let model = Arc::new(model);
+    let metrics = Arc::default();
+    let queue = crate::worker::start(model.clone(), server.max_queue, max_batch, Arc::clone(&metrics));
+    let state =
+        Arc::new(AppState { cfg: server, ready: OnceLock::new(), load_error: OnceLock::new(), metrics, counter: AtomicU64::new(0) });
+    let _ = state.ready.set(Ready { model, queue });
+    let app = router(state);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io)?;
+    let counter = AtomicU64::new(done.len() as u64);
+    rt.block_on(async {
+        // As many in flight as run in lockstep, and as many again queued behind them, so a slot
+        // freed by a finished request is taken at the next step.
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(Value, u64, u64, bool)>(2 * max_batch);
+        let permits = Arc::new(tokio::sync::Semaphore::new(2 * max_batch));
+        let feeder = {
+            let app = app.clone();
+            let n0 = counter.fetch_add(pending.len() as u64, Ordering::Relaxed);
+            tokio::spawn(async move {
+                for (i, line) in pending.into_iter().enumerate() {
+                    let permit = permits.clone().acquire_owned().await.expect("semaphore open");
+                    let (app, tx) = (app.clone(), tx.clone());
+                    tokio::spawn(async move {
+                        let r = answer(app, line, n0 + i as u64).await;
+                        let _ = tx.send(r).await;
+                        drop(permit);
+                    });
+                }
+            })
+        };
+        // Fault injection for the resume test: crash mid-write after this many lines.
+        let crash_after = std::env::var("DELTAFIN_FAULT_BATCH_CRASH_AFTER").ok().and_then(|v| v.parse::<usize>().ok());
+        let mut written = 0;
+        while let Some((line, p, c, ok)) = rx.recv().await {
+            let mut text = serde_json::to_vec(&line).unwrap_or_default();
+            text.push(b'\n');
+            if crash_after == Some(written) {
+                let _ = out.write_all(&text[..text.len() / 2]).and_then(|_| out.sync_data());
+                std::process::abort();
+            }
+            written += 1;
+            out.write_all(&text).and_then(|_| out.sync_data()).map_err(io)?;
+            summary.prompt_tokens += p;
+            summary.completion_tokens += c;
+            if ok {
+                summary.succeeded += 1;
+            } else {
+                summary.failed += 1;
+            }
+            progress.line(c);
+        }
+        let _ = feeder.await;
+        Ok::<(), BatchError>(())
+    })?;
+    summary.seconds = start.elapsed().as_secs_f64();
+    Ok(summary)
+}
