@@ -33,8 +33,11 @@
 /// The least speed-up over plain decoding (as a ratio of tokens per second) worth drafting for,
 /// as in the upstream engine's probe: below it, noise in the measurements would decide.
 pub const MIN_GAIN: f64 = 1.03;
+/// Plain steps before the first probe: enough to price a plain step, few enough that a good
+/// drafter starts almost at once.
+pub const FIRST_PROBE: u32 = 4;
 /// Plain steps between probes, first and at most.
-pub const PROBE_MIN: u32 = 16;
+pub const PROBE_MIN: u32 = 32;
 pub const PROBE_MAX: u32 = 128;
 /// Verify steps in a row after which one plain step runs to measure the baseline again: every
 /// price is relative to it, and a stale one (the disk slowed down, another process took the
@@ -96,8 +99,8 @@ pub struct CostGate {
 }
 
 impl CostGate {
-    /// A gate choosing lengths up to `max`. The first step is plain (to price it), the second a
-    /// probe.
+    /// A gate choosing lengths up to `max`. The first [`FIRST_PROBE`] steps are plain (to price
+    /// them), then a probe.
     pub fn new(max: usize) -> CostGate {
         CostGate {
             max,
@@ -110,7 +113,7 @@ impl CostGate {
             off: false,
             plain_streak: 0,
             verify_streak: 0,
-            probe_after: 1,
+            probe_after: FIRST_PROBE,
             probing: false,
             try_longer: None,
             probes: 0,

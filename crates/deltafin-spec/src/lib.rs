@@ -16,7 +16,7 @@ mod qwen3;
 
 pub use drafters::{FlakyDrafter, NgramDrafter, OracleDrafter, RandomDrafter};
 pub use error::{Error, Result};
-pub use gate::{CostGate, MIN_GAIN, PLAIN_REFRESH, PROBE_MAX, PROBE_MIN};
+pub use gate::{CostGate, FIRST_PROBE, MIN_GAIN, PLAIN_REFRESH, PROBE_MAX, PROBE_MIN};
 pub use model_drafter::{DraftModel, ModelDrafter};
 pub use qwen3::{KvCache, Qwen3, Qwen3Config};
 
