@@ -485,3 +485,40 @@ fn eight_concurrent_streams_in_lockstep_get_their_solo_outputs() {
     let (_, _, metrics) = s.request("GET", "/metrics", None, &[]).unwrap();
     assert!(metrics.contains("deltafin_"), "{metrics}");
 }
+
+#[test]
+fn echo_scores_prompt_tokens_with_the_logprobs_generation_reports() {
+    let s = start(&[]);
+    let prompt = "Numbers matter here too: 12 boats and 42 answers.";
+    // Generate one token with its logprob...
+    let (st, g) = s.json("/v1/completions", &json!({"prompt": prompt, "max_tokens": 1, "logprobs": 2}));
+    assert_eq!(st, 200);
+    let next = g["choices"][0]["text"].as_str().unwrap().to_string();
+    let next_lp = g["choices"][0]["logprobs"]["token_logprobs"][0].as_f64().unwrap();
+    // ...then score prompt + that token: its last logprob is the same number, bit for bit.
+    let scored = format!("{prompt}{next}");
+    let (st, e) = s.json("/v1/completions", &json!({"prompt": scored, "max_tokens": 0, "echo": true, "logprobs": 2}));
+    assert_eq!(st, 200, "{e}");
+    let c = &e["choices"][0];
+    assert_eq!(c["text"], scored, "echo returns the prompt");
+    let lps = c["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(lps.len() as u64, e["usage"]["prompt_tokens"].as_u64().unwrap());
+    assert!(lps[0].is_null() && c["logprobs"]["top_logprobs"][0].is_null(), "nothing precedes the first token");
+    assert!(lps[1..].iter().all(|x| x.as_f64().is_some_and(|v| v <= 0.0)));
+    assert_eq!(lps.last().unwrap().as_f64().unwrap(), next_lp, "scoring and generation disagree");
+    assert_eq!(c["logprobs"]["top_logprobs"][1].as_object().unwrap().len(), 2);
+    assert_eq!(e["usage"]["completion_tokens"], 0);
+    // With a completion: the prompt's scores, then the generated tokens'.
+    let (_, both) = s.json("/v1/completions", &json!({"prompt": prompt, "max_tokens": 2, "echo": true, "logprobs": 0}));
+    let n = both["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(both["choices"][0]["logprobs"]["tokens"].as_array().unwrap().len(), n + 2);
+    assert!(both["choices"][0]["text"].as_str().unwrap().starts_with(prompt));
+    // Refusals: echo cannot stream, max_tokens 0 needs echo.
+    assert_eq!(s.json("/v1/completions", &json!({"prompt": prompt, "echo": true, "stream": true})).0, 400);
+    assert_eq!(s.json("/v1/completions", &json!({"prompt": prompt, "max_tokens": 0})).0, 400);
+    // The same in lockstep, many at once.
+    drop(s);
+    let s = start(&["--max-batch", "4"]);
+    let (_, again) = s.json("/v1/completions", &json!({"prompt": scored, "max_tokens": 0, "echo": true, "logprobs": 2}));
+    assert_eq!(again["choices"][0]["logprobs"], c["logprobs"]);
+}

@@ -253,6 +253,7 @@ async fn handle(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Respo
         max_tokens: req.max_tokens,
         stop_ids,
         logprobs: req.logprobs.then_some(req.top_logprobs),
+        prompt_logprobs: (req.echo && req.logprobs).then_some(req.top_logprobs),
         events: tx,
         cancel: cancel.clone(),
         draft_max: s.cfg.draft_max,
@@ -298,8 +299,8 @@ fn timings(stats: &Stats, cached: usize) -> Value {
     })
 }
 
-/// One generated token with its logprob and the top alternatives.
-type TokenLogprob = (u32, f32, Vec<(u32, f32)>);
+/// One token with its logprob (none for an echoed prompt's first token) and the top alternatives.
+type TokenLogprob = (u32, Option<f32>, Vec<(u32, f32)>);
 
 fn completion_logprobs(tok: &Tokenizer, items: &[TokenLogprob]) -> Value {
     let text = |id: u32| String::from_utf8_lossy(&tok.id_bytes(id)).into_owned();
@@ -312,7 +313,10 @@ fn completion_logprobs(tok: &Tokenizer, items: &[TokenLogprob]) -> Value {
     json!({
         "tokens": items.iter().map(|(id, _, _)| text(*id)).collect::<Vec<_>>(),
         "token_logprobs": items.iter().map(|(_, lp, _)| *lp).collect::<Vec<_>>(),
-        "top_logprobs": items.iter().map(|(_, _, top)| top.iter().map(|(i, l)| (text(*i), json!(l))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        "top_logprobs": items.iter().map(|(_, lp, top)| match lp {
+            None => Value::Null,
+            Some(_) => Value::Object(top.iter().map(|(i, l)| (text(*i), json!(l))).collect()),
+        }).collect::<Vec<_>>(),
         "text_offset": offsets,
     })
 }
@@ -327,7 +331,8 @@ async fn whole_response(
     let tok = model.tokenizer();
     let mut events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), guard.0.clone());
     let (mut content, mut reasoning) = (String::new(), String::new());
-    let mut lps = vec![];
+    let mut lps: Vec<TokenLogprob> = vec![];
+    let mut prompt_lps: Vec<TokenLogprob> = vec![];
     let add = |parts: Vec<(Part, String)>, content: &mut String, reasoning: &mut String| {
         for (p, t) in parts {
             match p {
@@ -346,10 +351,11 @@ async fn whole_response(
                 Item::Started => {}
                 Item::Token { id, logprob, parts } => {
                     if let Some((lp, top)) = logprob {
-                        lps.push((id, lp, top));
+                        lps.push((id, Some(lp), top));
                     }
                     add(parts, &mut content, &mut reasoning);
                 }
+                Item::Prompt(items) => prompt_lps.extend(items),
                 Item::Text(parts) => add(parts, &mut content, &mut reasoning),
                 Item::Finished { reason, stats } => {
                     finish = reason;
@@ -366,13 +372,21 @@ async fn whole_response(
             msg["reasoning_content"] = json!(reasoning);
         }
         let logprobs = if turn.req.logprobs {
-            json!({"content": lps.iter().map(|(i, l, t)| chat_logprob(tok, *i, *l, t)).collect::<Vec<_>>()})
+            json!({"content": lps.iter().map(|(i, l, t)| chat_logprob(tok, *i, l.unwrap_or(0.0), t)).collect::<Vec<_>>()})
         } else {
             Value::Null
         };
         json!({"id": turn.id, "object": "chat.completion", "created": turn.created, "model": turn.model,
             "choices": [{"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}]})
     } else {
+        // `echo`: the prompt comes first, in the text and in the logprobs.
+        if turn.req.echo {
+            if let Prompt::Text(p) = &turn.req.prompt {
+                content.insert_str(0, p);
+            }
+            prompt_lps.append(&mut lps);
+            lps = prompt_lps;
+        }
         let logprobs = if turn.req.logprobs { completion_logprobs(tok, &lps) } else { Value::Null };
         json!({"id": turn.id, "object": "text_completion", "created": turn.created, "model": turn.model,
             "choices": [{"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish}]})
@@ -456,7 +470,7 @@ impl StreamState {
                 Item::Token { id, logprob, parts } => {
                     let mut lp = match logprob {
                         Some((l, top)) if turn.chat => json!({"content": [chat_logprob(tok, id, l, &top)]}),
-                        Some((l, top)) => completion_logprobs(tok, &[(id, l, top)]),
+                        Some((l, top)) => completion_logprobs(tok, &[(id, Some(l), top)]),
                         None => Value::Null,
                     };
                     for (p, t) in parts {
@@ -468,6 +482,8 @@ impl StreamState {
                         self.queue.push_back(chunk(turn, delta(turn, p, t), Value::Null, None));
                     }
                 }
+                // `echo` is refused with `stream`: no prompt logprobs reach a stream.
+                Item::Prompt(_) => {}
                 Item::Finished { reason, stats } => {
                     let mut last = chunk(turn, empty_delta(turn), Value::Null, Some(reason));
                     if let Some(stats) = &stats {

@@ -45,6 +45,9 @@ pub struct Request {
     pub top_logprobs: usize,
     pub stream: bool,
     pub include_usage: bool,
+    /// Completions: the prompt comes back before the completion, with its tokens' logprobs if
+    /// `logprobs` is set (prompt scoring; `max_tokens` may then be 0).
+    pub echo: bool,
 }
 
 const COMMON: &[&str] =
@@ -102,9 +105,10 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
             return Err(ApiError::bad("best_of", "`best_of` must be 1"));
         }
     }
-    if num("echo").and_then(Value::as_bool) == Some(true) {
-        return Err(ApiError::bad("echo", "`echo` is not supported"));
-    }
+    let echo = match num("echo") {
+        None => false,
+        Some(v) => v.as_bool().ok_or_else(|| ApiError::bad("echo", "`echo` must be a boolean"))?,
+    };
     if num("suffix").is_some() {
         return Err(ApiError::bad("suffix", "`suffix` (insertion) is not supported"));
     }
@@ -141,8 +145,8 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
     let max_tokens = match num(max_key) {
         None => default_max,
         Some(v) => match v.as_u64() {
-            Some(n) if n >= 1 => n as usize,
-            _ => return Err(ApiError::bad(max_key, format!("`{max_key}` must be a positive integer"))),
+            Some(n) if n >= 1 || echo => n as usize,
+            _ => return Err(ApiError::bad(max_key, format!("`{max_key}` must be a positive integer (0 only with `echo`: scoring)"))),
         },
     };
     let stop = match num("stop") {
@@ -199,8 +203,11 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
             },
         }
     };
+    if echo && stream {
+        return Err(ApiError::bad("echo", "`echo` cannot be streamed; leave out `stream`"));
+    }
     let prompt = if chat { parse_chat(obj)? } else { parse_text(obj)? };
-    Ok(Request { prompt, max_tokens, stop, logprobs, top_logprobs, stream, include_usage })
+    Ok(Request { prompt, max_tokens, stop, logprobs, top_logprobs, stream, include_usage, echo })
 }
 
 fn parse_text(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {

@@ -16,6 +16,8 @@ pub enum Item {
     /// A generated token (`id`, its logprob and top alternatives if asked) and the text that
     /// became final with it.
     Token { id: u32, logprob: Option<(f32, Vec<(u32, f32)>)>, parts: Vec<(Part, String)> },
+    /// Prompt tokens with their logprobs (`echo` with `logprobs`).
+    Prompt(Vec<crate::worker::PromptLogprob>),
     /// Text held back until the end (a possible stop string that was not one).
     Text(Vec<(Part, String)>),
     /// The reply is over: `stop` or `length`, with the engine's stats when it finished itself.
@@ -73,6 +75,7 @@ impl TurnEvents {
                     Item::Finished { reason: if hit_stop_id { "stop" } else { "length" }, stats: Some(stats) },
                 ]
             }
+            Some(Event::PromptLogprobs(items)) => vec![Item::Prompt(items)],
             Some(Event::Failed(msg)) => {
                 self.done = true;
                 vec![Item::Failed(msg)]

@@ -28,6 +28,8 @@ pub struct Job {
     /// 0 = no logprobs; otherwise compute the chosen token's logprob and this many alternatives
     /// (`top + 1` so that `logprobs: true, top_logprobs: 0` still works).
     pub logprobs: Option<usize>,
+    /// Also the prompt tokens' logprobs with this many alternatives (`echo` with `logprobs`).
+    pub prompt_logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
     pub cancel: Cancel,
     /// Most drafts verified per step (with a drafter set), and whether the cost gate picks each
@@ -48,12 +50,33 @@ pub enum Event {
         logprob: Option<f32>,
         top: Vec<(u32, f32)>,
     },
+    /// Prompt tokens with their logprobs (none for the first: nothing precedes it), in order.
+    PromptLogprobs(Vec<PromptLogprob>),
     Done {
         stats: Box<Stats>,
         cached_tokens: usize,
         hit_stop_id: bool,
     },
     Failed(String),
+}
+
+/// A prompt token, its logprob given the tokens before it, and the top alternatives there.
+pub type PromptLogprob = (u32, Option<f32>, Vec<(u32, f32)>);
+
+/// The prompt items that logits rows `first..` of `job`'s prompt give: row `r` scores the token
+/// at `first + r + 1`; the first prompt token has no logprob.
+fn prompt_items(job: &Job, k: usize, first: usize, logits: &deltafin::Mat) -> Vec<PromptLogprob> {
+    let mut items = Vec::with_capacity(logits.rows + 1);
+    if first == 0 {
+        items.push((job.prompt[0], None, vec![]));
+    }
+    for r in 0..logits.rows {
+        if let Some(&id) = job.prompt.get(first + r + 1) {
+            let (lp, top) = logprobs(logits.row(r), id, k);
+            items.push((id, lp, top));
+        }
+    }
+    items
 }
 
 /// Sends jobs to the worker, refusing when the queue is full.
@@ -96,7 +119,20 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, metric
                     continue;
                 }
                 let events = job.events.clone();
-                let result = std::panic::catch_unwind(AssertUnwindSafe(|| run(&mut generator, job, &metrics)));
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    if job.prompt_logprobs.is_some() || job.max_tokens == 0 {
+                        // Scoring needs the prompt rows' logits: the batcher's path, alone.
+                        let mut jobs = HashMap::new();
+                        let mut b = Batcher::new(&model, 1);
+                        let _ = job.events.send(Event::Started { cached_tokens: 0 });
+                        jobs.insert(b.submit(batch_job(&job)), job);
+                        while !b.is_idle() {
+                            b.step(&mut |e: BatchEvent<'_>| on_batch_event(e, &mut jobs, &metrics));
+                        }
+                    } else {
+                        run(&mut generator, job, &metrics)
+                    }
+                }));
                 if result.is_err() {
                     generator.reset();
                     metrics.panics.fetch_add(1, Ordering::Relaxed);
@@ -129,12 +165,7 @@ impl Output for JobOutput<'_> {
 }
 
 fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
-    // Fault injection for the test that a panicking generation leaves the server up.
-    if let Some(id) = std::env::var("DELTAFIN_FAULT_PANIC_ON_TOKEN").ok().and_then(|v| v.parse::<u32>().ok()) {
-        if job.prompt.contains(&id) {
-            panic!("injected fault: prompt contains token {id}");
-        }
-    }
+    fault_panic(std::iter::once(job.prompt.as_slice()));
     let opts = GenerateOptions::new(job.max_tokens)
         .stop_ids(job.stop_ids.clone())
         .cancel(job.cancel.clone())
@@ -160,6 +191,59 @@ fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
     }
 }
 
+/// The batcher's job for a queued request.
+fn batch_job(job: &Job) -> BatchJob {
+    let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone());
+    let b = BatchJob::new(job.prompt.clone(), opts);
+    if job.prompt_logprobs.is_some() {
+        b.with_prompt_logits()
+    } else {
+        b
+    }
+}
+
+/// Turns a batcher event into the events of its request; `false` stops that job.
+fn on_batch_event(e: BatchEvent<'_>, jobs: &mut HashMap<JobId, Job>, metrics: &Metrics) -> bool {
+    match e {
+        BatchEvent::Token { job, step } => {
+            let Some(j) = jobs.get(&job) else { return false };
+            let (logprob, top) = match j.logprobs {
+                Some(k) => logprobs(step.logits, step.id, k),
+                None => (None, vec![]),
+            };
+            j.events.send(Event::Token { id: step.id, logprob, top }).is_ok() && !j.cancel.is_cancelled()
+        }
+        BatchEvent::PromptLogits { job, first, logits } => {
+            if let Some(j) = jobs.get(&job) {
+                if let Some(k) = j.prompt_logprobs {
+                    let _ = j.events.send(Event::PromptLogprobs(prompt_items(j, k, first, logits)));
+                }
+            }
+            true
+        }
+        BatchEvent::Finished { job, reason, stats } => {
+            if let Some(j) = jobs.remove(&job) {
+                if j.events.is_closed() {
+                    metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                }
+                metrics.record(&stats, 0);
+                let _ = j.events.send(Event::Done { stats, cached_tokens: 0, hit_stop_id: reason == FinishReason::Stop });
+            }
+            true
+        }
+        BatchEvent::Failed { job, error } => {
+            if let Some(j) = jobs.remove(&job) {
+                if matches!(error, EngineError::Cancelled) {
+                    metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    let _ = j.events.send(Event::Failed(error.to_string()));
+                }
+            }
+            true
+        }
+    }
+}
+
 /// The lockstep loop: jobs join the batcher as they arrive and leave as they finish.
 fn run_batched(model: &LoadedModel, max_batch: usize, rx: &mpsc::Receiver<Job>, depth: &AtomicUsize, metrics: &Metrics) {
     let mut batcher = Batcher::new(model, max_batch);
@@ -181,42 +265,12 @@ fn run_batched(model: &LoadedModel, max_batch: usize, rx: &mpsc::Receiver<Job>, 
                 continue;
             }
             let _ = job.events.send(Event::Started { cached_tokens: 0 });
-            let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone());
-            let id = batcher.submit(BatchJob::new(job.prompt.clone(), opts));
+            let id = batcher.submit(batch_job(&job));
             jobs.insert(id, job);
         }
         let step = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            batcher.step(&mut |e: BatchEvent<'_>| match e {
-                BatchEvent::Token { job, step } => {
-                    let Some(j) = jobs.get(&job) else { return false };
-                    let (logprob, top) = match j.logprobs {
-                        Some(k) => logprobs(step.logits, step.id, k),
-                        None => (None, vec![]),
-                    };
-                    j.events.send(Event::Token { id: step.id, logprob, top }).is_ok() && !j.cancel.is_cancelled()
-                }
-                BatchEvent::PromptLogits { .. } => true,
-                BatchEvent::Finished { job, reason, stats } => {
-                    if let Some(j) = jobs.remove(&job) {
-                        if j.events.is_closed() {
-                            metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                        }
-                        metrics.record(&stats, 0);
-                        let _ = j.events.send(Event::Done { stats, cached_tokens: 0, hit_stop_id: reason == FinishReason::Stop });
-                    }
-                    true
-                }
-                BatchEvent::Failed { job, error } => {
-                    if let Some(j) = jobs.remove(&job) {
-                        if matches!(error, EngineError::Cancelled) {
-                            metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                        } else {
-                            let _ = j.events.send(Event::Failed(error.to_string()));
-                        }
-                    }
-                    true
-                }
-            })
+            fault_panic(jobs.values().map(|j| j.prompt.as_slice()));
+            batcher.step(&mut |e: BatchEvent<'_>| on_batch_event(e, &mut jobs, metrics))
         }));
         if step.is_err() {
             metrics.panics.fetch_add(1, Ordering::Relaxed);
@@ -224,6 +278,15 @@ fn run_batched(model: &LoadedModel, max_batch: usize, rx: &mpsc::Receiver<Job>, 
                 let _ = j.events.send(Event::Failed("internal error: the generation panicked; the server is still running".into()));
             }
             batcher = Batcher::new(model, max_batch);
+        }
+    }
+}
+
+/// Fault injection for the test that a panicking generation leaves the server up.
+fn fault_panic<'p>(mut prompts: impl Iterator<Item = &'p [u32]>) {
+    if let Some(id) = std::env::var("DELTAFIN_FAULT_PANIC_ON_TOKEN").ok().and_then(|v| v.parse::<u32>().ok()) {
+        if prompts.any(|p| p.contains(&id)) {
+            panic!("injected fault: prompt contains token {id}");
         }
     }
 }

@@ -6,6 +6,7 @@
 //! configurations report min / median / max.
 
 mod ab;
+mod batch;
 mod capped;
 mod device;
 mod engine_runs;
@@ -30,6 +31,8 @@ pub enum Which {
     Ladder,
     /// Speculative decoding: every drafter against plain decoding.
     Spec,
+    /// Many sequences per expert read: lockstep decoding at several N, prompt scoring.
+    Batch,
     /// This tree against `--base REV` (not part of `all`).
     Ab,
     All,
@@ -167,7 +170,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         std::fs::write(bench_dir.join("ab.md"), ab::run(base, quick)?)?;
     }
     let budget: u64 = 1_500_000_000;
-    let need_slice = matches!(which, Which::Device | Which::Decode | Which::Prefill | Which::Spec | Which::All);
+    let need_slice = matches!(which, Which::Device | Which::Decode | Which::Prefill | Which::Spec | Which::Batch | Which::All);
     let (ckpt, store) = if need_slice { ensure_model("slice")? } else { (PathBuf::new(), PathBuf::new()) };
     let vocab = 16384;
     if matches!(which, Which::Device | Which::All) {
@@ -268,6 +271,9 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         std::fs::write(bench_dir.join("prefill.md"), md)?;
         json.insert("prefill".into(), json!(p.iter().map(|r| json!({"tokens": r.tokens, "schedule": r.schedule, "ttft_s": r.ttft_s, "bytes_read": r.bytes_read, "distinct_bytes": r.distinct_bytes, "amplification": r.amplification, "compute_only_s": r.compute_s, "device_limit": r.limit, "vs_bound": r.vs_bound, "ids_equal": r.ids_equal})).collect::<Vec<_>>()));
     }
+    if matches!(which, Which::Batch | Which::All) {
+        std::fs::write(bench_dir.join("batch.md"), batch::run(&store, budget, vocab, quick)?)?;
+    }
     if matches!(which, Which::Spec | Which::All) {
         let mut md = String::from("## Speculative decoding\n\nEvery drafter against plain decoding on two stores of real expert size: `slice`, whose random router sends each token to nearly independent experts (so a verify of k + 1 rows reads about k + 1 times the experts, and drafting cannot pay: the live gate should keep it off), and `slice-hot`, whose router prefers some experts as a trained one does (rows share experts, so verifying is cheaper per row). Neither model is trained, so only the oracle's drafts are ever right; the prompt lookup and the draft model are measured for what they cost when wrong.\n\n");
         md += &spec::run("slice", &store, &ckpt, budget, quick)?;
@@ -335,9 +341,19 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
     }
     // Assemble the report from whatever sections exist.
     let mut report = String::from("# Benchmarks\n\nEvery number below was produced by the command shown beside it (`cargo xtask bench ...`) on the development machine (2 Zen 5 cores, one noisy virtio disk; see `shared/BENCH-MACHINE.md`). Compare ratios within one section: the disk changes speed from minute to minute.\n\n");
-    for s in
-        ["device", "decode", "decode-capped", "decode-capped-kernel", "decode-runs", "prefill", "spec", "ladder", "ladder-reader", "ab"]
-    {
+    for s in [
+        "device",
+        "decode",
+        "decode-capped",
+        "decode-capped-kernel",
+        "decode-runs",
+        "prefill",
+        "spec",
+        "batch",
+        "ladder",
+        "ladder-reader",
+        "ab",
+    ] {
         if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
             report += &t;
             report.push('\n');
