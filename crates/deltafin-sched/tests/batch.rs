@@ -3,13 +3,11 @@
 //! store under a tight budget on two drives; a job's own error fails it alone.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{fixture, min_budget, two_drive_store};
 
 use deltafin_sched::{BatchEvent, BatchJob, Batcher, EngineBuilder, FinishReason, GenerateOptions, LoadedModel, LogitRows};
-
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
-}
 
 fn jobs() -> Vec<BatchJob> {
     let p = |seed: u32, n: u32| (0..n).map(|i| (i * 37 + seed * 101 + 5) % 1000).collect::<Vec<u32>>();
@@ -113,23 +111,11 @@ fn lockstep_jobs_match_their_solo_runs_bit_for_bit() {
     check(&chunked, 4, "prompts in chunks of 4 beside decode rows");
 }
 
-fn store(dir: &Path) -> PathBuf {
-    let out = dir.join("store");
-    let homes = vec![dir.join("d0"), dir.join("d1")];
-    deltafin_store::setup(&deltafin_store::SetupOptions::new(fixture(), &out).homes(homes), &deltafin_store::NoProgress).unwrap();
-    out
-}
-
 #[test]
 fn lockstep_over_a_streamed_store_under_a_tight_budget_is_exact() {
     let tmp = tempfile::tempdir().unwrap();
-    let s = store(tmp.path());
-    let min = {
-        let e = EngineBuilder::new(&s).max_sequences(3).ram_budget(Some(1)).open().err().unwrap().to_string();
-        assert!(e.contains("3 sequence(s)"), "{e}");
-        let at = e.find("at least ").unwrap() + "at least ".len();
-        e[at..].split_whitespace().next().unwrap().parse::<u64>().unwrap()
-    };
+    let s = two_drive_store(tmp.path());
+    let min = min_budget(&s, 3);
     let model = EngineBuilder::new(&s).max_sequences(3).ram_budget(Some(min + (1 << 20))).open().unwrap();
     let one = EngineBuilder::new(&s).ram_budget(Some(min)).open().unwrap();
     assert!(

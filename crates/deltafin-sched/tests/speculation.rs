@@ -2,14 +2,12 @@
 //! random one, one right for a while then wrong) the ids, and the sequence state left behind,
 //! equal plain decoding's, across prompts, draft lengths, stop ids, chunking and a streamed store.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{fixture, min_budget, two_drive_store};
 
 use deltafin_sched::{EngineBuilder, GenerateOptions, LoadedModel, Sequence, Stats};
 use deltafin_spec::{Drafter, FlakyDrafter, NgramDrafter, OracleDrafter, RandomDrafter};
-
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
-}
 
 fn prompts() -> Vec<Vec<u32>> {
     vec![
@@ -89,22 +87,11 @@ fn every_drafter_gives_plain_decodings_ids_and_state() {
     check(&EngineBuilder::new(fixture()).prefill_chunk(Some(5)).prefetch(false).open().unwrap(), "chunked, no prefetch");
 }
 
-fn store(dir: &Path) -> PathBuf {
-    let out = dir.join("store");
-    let homes = vec![dir.join("d0"), dir.join("d1")];
-    deltafin_store::setup(&deltafin_store::SetupOptions::new(fixture(), &out).homes(homes), &deltafin_store::NoProgress).unwrap();
-    out
-}
-
 #[test]
 fn speculation_over_a_streamed_store_under_a_tight_budget_is_exact() {
     let tmp = tempfile::tempdir().unwrap();
-    let s = store(tmp.path());
-    let min = {
-        let e = EngineBuilder::new(&s).ram_budget(Some(1)).open().err().unwrap().to_string();
-        let at = e.find("at least ").unwrap() + "at least ".len();
-        e[at..].split_whitespace().next().unwrap().parse::<u64>().unwrap()
-    };
+    let s = two_drive_store(tmp.path());
+    let min = min_budget(&s, 1);
     check(&EngineBuilder::new(&s).ram_budget(Some(min + (1 << 20))).open().unwrap(), "streamed");
 }
 
