@@ -151,3 +151,38 @@ fn a_bad_job_fails_alone() {
     assert!(failed.iter().any(|(j, e)| *j == empty && e.contains("empty")), "{failed:?}");
     assert_eq!((stats.jobs_finished, stats.jobs_failed), (1, 2));
 }
+
+#[test]
+fn a_failed_step_fails_its_jobs_and_the_batch_goes_on() {
+    // A store whose experts of the last MoE layer are corrupt: every step that reaches them fails,
+    // is undone, and fails the jobs in it with the error; waiting jobs still get their turn.
+    let tmp = tempfile::tempdir().unwrap();
+    let s = two_drive_store(tmp.path());
+    let m = deltafin_store::Manifest::read(&s).unwrap();
+    let last = m.layouts.iter().map(|(l, _)| *l).max().unwrap();
+    for e in m.experts.iter().filter(|e| e.layer == last) {
+        for c in &e.copies {
+            let path = m.copy_path(c);
+            let mut bytes = std::fs::read(&path).unwrap();
+            bytes[c.offset as usize + 11] ^= 0x40;
+            std::fs::write(&path, bytes).unwrap();
+        }
+    }
+    let model = EngineBuilder::new(&s).max_sequences(2).open().unwrap();
+    let mut b = Batcher::new(&model, 2);
+    for i in 0..5u32 {
+        b.submit(BatchJob::new(vec![5 + i, 6, 7], GenerateOptions::new(3)));
+    }
+    let mut failed = Vec::new();
+    let stats = b.run(&mut |e: BatchEvent<'_>| {
+        match e {
+            BatchEvent::Failed { job, error } => failed.push((job, error.to_string())),
+            BatchEvent::Token { .. } | BatchEvent::Finished { .. } => panic!("a corrupt expert produced output"),
+            BatchEvent::PromptLogits { .. } => {}
+        }
+        true
+    });
+    assert_eq!(failed.iter().map(|(j, _)| *j).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4], "every job failed, in order");
+    assert!(failed.iter().all(|(_, e)| e.contains("checksum")), "{failed:?}");
+    assert_eq!((stats.jobs_failed, stats.jobs_finished), (5, 0));
+}
