@@ -146,20 +146,6 @@ fn write_safetensors(path: &Path, seed: u64, tensors: &[(String, Vec<usize>, Ini
     Ok(())
 }
 
-/// GPT-2's byte-level spelling of `bytes`.
-fn byte_level(bytes: &[u8]) -> String {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-    let shifted: Vec<u32> = (0u32..256).filter(|&b| !printable(b)).collect();
-    bytes
-        .iter()
-        .map(|&b| {
-            let b = b as u32;
-            let c = if printable(b) { b } else { 256 + shifted.iter().position(|&x| x == b).expect("a byte") as u32 };
-            char::from_u32(c).expect("a valid char")
-        })
-        .collect()
-}
-
 /// K3's vocabulary (`tiktoken.model` plus the reserved ids) as a byte-level BPE `tokenizer.json`,
 /// and the vocabulary size to give the draft. Each merge is found as tiktoken conversions do:
 /// BPE over the token's bytes using only lower ranks leaves exactly the two parts it merges.
@@ -196,9 +182,10 @@ fn k3_tokenizer_json(k3: &Path) -> Result<(Vec<u8>, usize)> {
         if parts.len() != 2 {
             bail!("tiktoken.model rank {r}: its bytes do not split into two lower-ranked tokens");
         }
-        merges.push(json!([byte_level(&parts[0]), byte_level(&parts[1])]));
+        merges.push(json!([deltafin_core::byte_level_spelling(&parts[0]), deltafin_core::byte_level_spelling(&parts[1])]));
     }
-    let vocab: serde_json::Map<String, Value> = ranks.iter().enumerate().map(|(i, b)| (byte_level(b), json!(i))).collect();
+    let vocab: serde_json::Map<String, Value> =
+        ranks.iter().enumerate().map(|(i, b)| (deltafin_core::byte_level_spelling(b), json!(i))).collect();
     let n = ranks.len();
     let added: Vec<Value> = (0..deltafin_core::RESERVED)
         .map(|off| json!({"id": n + off, "content": deltafin_core::reserved_token_name(off, n), "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))

@@ -73,10 +73,6 @@ impl ModelArgs {
     pub fn generate_options(&self, max_new: usize) -> GenerateOptions {
         GenerateOptions::new(max_new).draft_max(self.draft_max()).draft_gate(!self.draft_fixed)
     }
-    /// A generator over `model` (drafting with what `--draft` loaded).
-    pub fn generator<'m>(&self, model: &'m LoadedModel) -> Generator<'m> {
-        Generator::new(model)
-    }
 }
 
 impl ModelArgs {
@@ -165,7 +161,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut dec = model.tokenizer().stream();
     let mut ids = Vec::new();
     let mut write_err = None;
-    let mut generator = a.model.generator(&model);
+    // The generator drafts with what `--draft` loaded.
+    let mut generator = Generator::new(&model);
     let stats = generator.generate(
         &prompt,
         &opts,

@@ -88,7 +88,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))?;
     eprintln!("{HELP}");
     let mut history: Vec<Message> = a.system.iter().map(|s| Message::new(Role::System, s.clone())).collect();
-    let mut generator = a.model.generator(&model);
+    let mut generator = deltafin::Generator::new(&model);
     let mut last_stats = None;
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();

@@ -43,6 +43,6 @@ pub use crate::{
     },
     reply::{Part as ReplyPart, ReplySplitter},
     tensor::Mat,
-    tokenizer::{reserved_token_name, HfTokenizer, StreamDecoder, Tokenizer, K3_PATTERN, RESERVED},
+    tokenizer::{byte_level_spelling, reserved_token_name, HfTokenizer, StreamDecoder, Tokenizer, K3_PATTERN, RESERVED},
     weights::{bf16_to_f32, Bf16Matrix, ByteOwner, Bytes, DType, TensorBytes, TensorSource},
 };

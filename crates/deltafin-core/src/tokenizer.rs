@@ -283,17 +283,45 @@ impl HfTokenizer {
     }
 }
 
-/// The byte GPT-2's byte-level map spells as `c`: printable Latin-1 bytes stand for themselves,
-/// the other 68 bytes for the characters from U+0100 on, in byte order.
+/// GPT-2's byte-level map: printable Latin-1 bytes stand for themselves, the other 68 bytes for
+/// the characters from U+0100 on, in byte order. Index: byte; value: its character.
+fn byte_level_chars() -> &'static [char; 256] {
+    static MAP: std::sync::OnceLock<[char; 256]> = std::sync::OnceLock::new();
+    MAP.get_or_init(|| {
+        let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let mut map = ['\0'; 256];
+        let mut shifted = 256;
+        for b in 0..256u32 {
+            let c = if printable(b) {
+                b
+            } else {
+                shifted += 1;
+                shifted - 1
+            };
+            map[b as usize] = char::from_u32(c).expect("below U+0200");
+        }
+        map
+    })
+}
+
+/// The byte the byte-level map spells as `c` (the map inverted once: its characters all lie below
+/// U+0200).
 fn byte_level_byte(c: char) -> Option<u8> {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-    static SHIFTED: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
-    let c = c as u32;
-    if printable(c) {
-        return Some(c as u8);
-    }
-    let shifted = SHIFTED.get_or_init(|| (0u32..256).filter(|&b| !printable(b)).map(|b| b as u8).collect());
-    shifted.get(c.checked_sub(256)? as usize).copied()
+    static INVERSE: std::sync::OnceLock<[Option<u8>; 512]> = std::sync::OnceLock::new();
+    let inverse = INVERSE.get_or_init(|| {
+        let mut inv = [None; 512];
+        for (b, &c) in byte_level_chars().iter().enumerate() {
+            inv[c as usize] = Some(b as u8);
+        }
+        inv
+    });
+    inverse.get(c as usize).copied().flatten()
+}
+
+/// `bytes` spelled with GPT-2's byte-level map (how byte-level BPE `tokenizer.json` files write
+/// their vocabulary).
+pub fn byte_level_spelling(bytes: &[u8]) -> String {
+    bytes.iter().map(|&b| byte_level_chars()[b as usize]).collect()
 }
 
 #[cfg(test)]

@@ -52,7 +52,7 @@ impl Drafting {
             DraftWith::Ngram => return Ok(Drafting::Ngram),
             DraftWith::Auto => {
                 let d = model_dir.join(AUTO_DRAFT_DIR);
-                if !d.join("config.json").exists() {
+                if !DraftCheckpoint::is_draft_folder(&d) {
                     return Ok(Drafting::Ngram);
                 }
                 d

@@ -295,6 +295,7 @@ impl Engine {
         let mut next = argmax(&last);
         // Draft lengths come from the live cost gate unless fixed by the options.
         let mut gate = (drafter.is_some() && opts.draft_gate).then(|| CostGate::new(opts.draft_max));
+        let trace_gate = gate.is_some() && std::env::var_os("DELTAFIN_GATE_TRACE").is_some();
         let decode_start = Instant::now();
         let mut generated = 0;
         while generated < opts.max_new {
@@ -318,7 +319,7 @@ impl Engine {
                 let chosen = match gate.as_mut() {
                     Some(g) => {
                         let k = g.choose();
-                        if std::env::var_os("DELTAFIN_GATE_TRACE").is_some() {
+                        if trace_gate {
                             eprintln!("gate: {:?} -> {k}", g.view());
                         }
                         k

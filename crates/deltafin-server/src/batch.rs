@@ -16,8 +16,7 @@
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
@@ -184,14 +183,11 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
         max_batch,
     };
     let model = Arc::new(model);
-    let metrics = Arc::default();
-    let queue = crate::worker::start(model.clone(), server.max_queue, max_batch, Arc::clone(&metrics));
-    let state =
-        Arc::new(AppState { cfg: server, ready: OnceLock::new(), load_error: OnceLock::new(), metrics, counter: AtomicU64::new(0) });
+    let state = AppState::new(server);
+    let queue = crate::worker::start(model.clone(), state.cfg.max_queue, max_batch, state.metrics.clone());
     let _ = state.ready.set(Ready { model, queue });
     let app = router(state);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io)?;
-    let counter = AtomicU64::new(done.len() as u64);
     rt.block_on(async {
         // As many in flight as run in lockstep, and as many again queued behind them, so a slot
         // freed by a finished request is taken at the next step.
@@ -199,7 +195,8 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
         let permits = Arc::new(tokio::sync::Semaphore::new(2 * max_batch));
         let feeder = {
             let app = app.clone();
-            let n0 = counter.fetch_add(pending.len() as u64, Ordering::Relaxed);
+            // Request numbers go on from those an earlier run wrote.
+            let n0 = done.len() as u64;
             tokio::spawn(async move {
                 for (i, line) in pending.into_iter().enumerate() {
                     let permit = permits.clone().acquire_owned().await.expect("semaphore open");

@@ -87,18 +87,19 @@ struct AppState {
 
 type Shared = Arc<AppState>;
 
+impl AppState {
+    /// A server's state before its model is ready.
+    fn new(cfg: ServerConfig) -> Shared {
+        Arc::new(AppState { cfg, ready: OnceLock::new(), load_error: OnceLock::new(), metrics: Arc::default(), counter: AtomicU64::new(0) })
+    }
+}
+
 /// Serves until the process ends. `load` runs on a blocking thread; until it returns, `/health`
 /// answers 503 and API calls answer 503 with a message.
 pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel, String> + Send + 'static) -> Result<(), ServerError> {
     let addr = format!("{}:{}", cfg.host, cfg.port);
     let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|source| ServerError::Bind { addr: addr.clone(), source })?;
-    let state: Shared = Arc::new(AppState {
-        cfg: cfg.clone(),
-        ready: OnceLock::new(),
-        load_error: OnceLock::new(),
-        metrics: Arc::default(),
-        counter: AtomicU64::new(0),
-    });
+    let state = AppState::new(cfg.clone());
     let s = state.clone();
     tokio::task::spawn_blocking(move || match load() {
         Ok(model) => {

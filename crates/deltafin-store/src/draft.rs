@@ -22,6 +22,11 @@ pub struct DraftCheckpoint {
 }
 
 impl DraftCheckpoint {
+    /// Whether `dir` looks like a draft-model folder (has a `config.json`).
+    pub fn is_draft_folder(dir: &Path) -> bool {
+        dir.join("config.json").is_file()
+    }
+
     /// Opens `dir`: its `config.json`, `tokenizer.json` and every shard header.
     pub fn open(dir: &Path) -> Result<DraftCheckpoint> {
         if !dir.is_dir() {
