@@ -56,7 +56,7 @@ impl BatchProgress for Bar {
 
 pub fn run_batch(a: BatchArgs) -> Result<()> {
     let max_batch = a.max_batch.max(1);
-    let model = a.model.open_with(max_batch)?;
+    let model = a.model.open_with(max_batch, 0)?;
     let name = a.model.model.file_name().map_or("deltafin".to_string(), |n| n.to_string_lossy().into_owned());
     let cfg = BatchConfig {
         input: a.input.clone(),
@@ -85,5 +85,14 @@ pub fn run_batch(a: BatchArgs) -> Result<()> {
         s.seconds,
         s.completion_tokens as f64 / s.seconds.max(1e-9)
     );
+    if s.steps > 0 {
+        eprintln!(
+            "lockstep: {} steps, {:.1} sequences per step, {:.1} distinct experts per step, {:.1} MB of experts read per generated token",
+            s.steps,
+            s.sequences_per_step(),
+            s.distinct_experts_per_step(),
+            s.bytes_per_token() / 1e6
+        );
+    }
     Ok(())
 }

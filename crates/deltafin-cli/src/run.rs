@@ -76,14 +76,17 @@ impl ModelArgs {
 }
 
 impl ModelArgs {
+    /// Opens for one generation (nothing kept after it).
     pub fn open(&self) -> Result<LoadedModel> {
-        self.open_with(1)
+        self.open_with(1, 0)
     }
-    /// Opens with room for `sequences` sequences at once (serve --max-batch, batch).
-    pub fn open_with(&self, sequences: usize) -> Result<LoadedModel> {
+    /// Opens with room for `sequences` sequences at once (serve --max-batch, batch) and `kept`
+    /// more kept between requests for reuse (serve --keep-states).
+    pub fn open_with(&self, sequences: usize, kept: usize) -> Result<LoadedModel> {
         // (shared by run, logits, serve, chat and batch)
         EngineBuilder::new(&self.model)
             .max_sequences(sequences)
+            .kept_states(kept)
             .context(self.context)
             .prefill_chunk(self.prefill_chunk)
             .prefetch(!self.no_prefetch)

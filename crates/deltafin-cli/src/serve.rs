@@ -41,6 +41,11 @@ pub struct ServeArgs {
     /// (with --draft and reuse of a conversation's kept state).
     #[arg(long, default_value_t = 1)]
     pub max_batch: usize,
+    /// RAM for this many sequences' state at the context limit, kept between requests so that a
+    /// conversation's next turn runs only its new tokens (several short conversations fit in one).
+    /// 0: nothing kept.
+    #[arg(long, default_value_t = 1)]
+    pub keep_states: usize,
 }
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
@@ -59,8 +64,8 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         max_batch: a.max_batch.max(1),
     };
     let margs = a.model.clone();
-    let slots = a.max_batch.max(1);
-    deltafin_server::serve_blocking(cfg, move || margs.open_with(slots).map_err(|e| format!("{e:#}")))?;
+    let (slots, kept) = (a.max_batch.max(1), a.keep_states);
+    deltafin_server::serve_blocking(cfg, move || margs.open_with(slots, kept).map_err(|e| format!("{e:#}")))?;
     Ok(())
 }
 
@@ -81,7 +86,8 @@ Commands: /stats (last reply's stats), /reset (new conversation), /quit. Ctrl-C 
 
 pub fn run_chat(a: ChatArgs) -> Result<()> {
     eprintln!("loading {} ...", a.model.model.display());
-    let model = a.model.open()?;
+    // The conversation's state is kept between turns.
+    let model = a.model.open_with(1, 1)?;
     let chat = model.chat()?;
     let interrupted = Arc::new(AtomicBool::new(false));
     let flag = interrupted.clone();

@@ -266,7 +266,15 @@ fn a_killed_batch_resumes_to_the_uninterrupted_result() {
     };
     let whole = tmp.path().join("whole.jsonl");
     let o = run(&whole, &[]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // The end stats say how much the lockstep shared.
+    let per_step = |what: &str| -> f64 {
+        let at = err.find(what).unwrap_or_else(|| panic!("no {what:?} in {err}"));
+        err[..at].split_whitespace().last().unwrap().parse().unwrap()
+    };
+    assert!(per_step("sequences per step") > 1.0, "{err}");
+    assert!(per_step("distinct experts per step") > 0.0, "{err}");
     let want = batch_results(&whole);
     assert_eq!(want.len(), 13);
     assert_eq!(want["refused"].0, 400);

@@ -268,24 +268,39 @@ fn api_key_is_required_when_set() {
     assert_eq!(st, 200);
 }
 
-#[test]
-fn follow_up_reuses_state_with_identical_output() {
-    let s = start(&[]);
-    let (_, first) = s.json("/v1/chat/completions", &chat_body("Numbers matter here", 4));
+/// Turn two of a conversation that began with `question`: its reply as the server gave it, and a
+/// new question.
+fn follow_up(question: &str, first: &Value) -> Value {
     let reply = &first["choices"][0]["message"];
-    let follow = json!({"messages": [
-        {"role": "user", "content": "Numbers matter here"},
+    json!({"messages": [
+        {"role": "user", "content": question},
         {"role": "assistant", "content": reply["content"], "reasoning_content": reply["reasoning_content"]},
         {"role": "user", "content": "and then?"}
-    ], "max_tokens": 6});
-    let (_, warm) = s.json("/v1/chat/completions", &follow);
-    let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
-    assert!(cached > 10, "the follow-up reused the first prompt's state ({cached} tokens)");
-    drop(s);
+    ], "max_tokens": 6})
+}
+
+#[test]
+fn conversations_taking_turns_reuse_their_state_with_identical_output() {
+    let questions = ["Numbers matter here", "Letters are another matter entirely"];
     let cold_server = start(&[]);
-    let (_, cold) = cold_server.json("/v1/chat/completions", &follow);
-    assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    assert_eq!(warm["choices"][0]["message"], cold["choices"][0]["message"], "reuse must not change a token");
+    for mode in [&[][..], &["--max-batch", "4"][..]] {
+        let s = start(mode);
+        // Both conversations' first turns, then both second turns: each finds its own state.
+        let firsts: Vec<Value> = questions.iter().map(|q| s.json("/v1/chat/completions", &chat_body(q, 4)).1).collect();
+        for (q, first) in questions.iter().zip(&firsts) {
+            let follow = follow_up(q, first);
+            let (_, warm) = s.json("/v1/chat/completions", &follow);
+            let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+            assert!(cached > 10, "{mode:?}: the follow-up of {q:?} reused its first prompt's state ({cached} tokens)");
+            let (_, cold) = cold_server.json("/v1/chat/completions", &follow);
+            assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+            assert_eq!(warm["choices"][0]["message"], cold["choices"][0]["message"], "{mode:?}: reuse must not change a token");
+        }
+    }
+    let s = start(&["--keep-states", "0"]);
+    let first = s.json("/v1/chat/completions", &chat_body(questions[0], 4)).1;
+    let (_, again) = s.json("/v1/chat/completions", &follow_up(questions[0], &first));
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "--keep-states 0 keeps nothing");
 }
 
 #[test]

@@ -7,6 +7,10 @@
 //! whose state the RAM budget holds; the rest wait in order. The step is batch-invariant, so a
 //! sequence's ids and logits are bit-identical to running it alone, whoever shares its steps.
 //!
+//! With [`Batcher::keep_states`] on (the server), each finished sequence and a copy of it right
+//! after its prompt are kept within the budget's allowance for kept state, and a job whose prompt
+//! extends one (a conversation's next turn) continues it, running only its new tokens.
+//!
 //! A job may also ask for the logits of its prompt rows (prompt scoring: `echo` with logprobs,
 //! single-token classification); with `max_new` 0 it ends after its prompt.
 
@@ -17,10 +21,15 @@ use deltafin_core::{argmax, Mat};
 
 use crate::engine::{GenerateOptions, LogitRows, Step};
 use crate::error::{Error, Result};
+use crate::kept::KeptStates;
 use crate::open::LoadedModel;
 use crate::sequence::Sequence;
 use crate::stats::Stats;
 use crate::step::{Phase, Slot};
+
+/// Most rows of scoring prompts one step takes when the working memory sets no bound (a model
+/// opened without a RAM budget).
+const SCORING_ROWS_MAX: usize = 4096;
 
 /// A job's number within its [`Batcher`], in submission order.
 pub type JobId = u64;
@@ -60,6 +69,9 @@ pub enum FinishReason {
 
 /// What a job's run produced, as it happens.
 pub enum BatchEvent<'a> {
+    /// The job took a sequence slot; its first `cached_tokens` prompt tokens were reused from a
+    /// kept state.
+    Started { job: JobId, cached_tokens: usize },
     /// Logits of prompt rows `first..first + logits.rows` (row `i`: the distribution after
     /// prompt token `first + i`), for a job that asked; chunks arrive in order.
     PromptLogits { job: JobId, first: usize, logits: &'a Mat },
@@ -96,6 +108,10 @@ pub struct BatchStats {
     pub generated_tokens: u64,
     /// Bytes of the distinct experts the steps routed, summed.
     pub distinct_expert_bytes: u64,
+    /// Distinct experts the steps routed (each counted once per layer and step), summed.
+    pub distinct_experts: u64,
+    /// Prompt tokens reused from kept states (not run again).
+    pub cached_tokens: u64,
     /// Expert bytes read from the drives.
     pub expert_bytes_read: u64,
     pub seconds: f64,
@@ -122,6 +138,10 @@ impl BatchStats {
     pub fn sequences_per_step(&self) -> f64 {
         self.sequence_steps as f64 / (self.steps as f64).max(1.0)
     }
+    /// Mean distinct experts routed per step (all layers together).
+    pub fn distinct_experts_per_step(&self) -> f64 {
+        self.distinct_experts as f64 / (self.steps as f64).max(1.0)
+    }
     /// Expert bytes read per generated token.
     pub fn bytes_per_token(&self) -> f64 {
         self.expert_bytes_read as f64 / (self.generated_tokens as f64).max(1.0)
@@ -133,8 +153,10 @@ struct Active {
     id: JobId,
     job: BatchJob,
     seq: Sequence,
-    /// Prompt tokens already run.
+    /// Prompt tokens already run (or reused).
     fed: usize,
+    /// Prompt tokens reused from a kept state.
+    cached: usize,
     /// The next token to run (its id was emitted already), once the prompt is done.
     pending: Option<u32>,
     generated: usize,
@@ -143,13 +165,19 @@ struct Active {
 }
 
 impl Active {
+    /// A job starting on `seq`, whose first `cached` prompt tokens it holds already.
+    fn new(id: JobId, job: BatchJob, seq: Sequence, cached: usize) -> Active {
+        Active { id, job, seq, fed: cached, cached, pending: None, generated: 0, started: Instant::now(), first_token: None }
+    }
+
     /// The job's own stats (the steps it shared are counted in the batch's).
     fn stats(&self) -> Stats {
         let now = Instant::now();
         let first = self.first_token.unwrap_or(now);
         let decode = (now - first).as_secs_f64();
         Stats {
-            prompt_tokens: self.job.prompt.len(),
+            prompt_tokens: self.job.prompt.len() - self.cached,
+            cached_tokens: self.cached,
             generated_tokens: self.generated,
             ttft_s: (first - self.started).as_secs_f64(),
             decode_tok_s: if self.generated > 1 && decode > 0.0 { (self.generated - 1) as f64 / decode } else { 0.0 },
@@ -167,6 +195,8 @@ pub struct Batcher<'m> {
     active: Vec<Active>,
     next_id: JobId,
     stats: BatchStats,
+    /// Sequences kept for reuse (with [`Batcher::keep_states`]).
+    kept: Option<KeptStates>,
 }
 
 impl<'m> Batcher<'m> {
@@ -174,7 +204,22 @@ impl<'m> Batcher<'m> {
     /// holds sequence slots for).
     pub fn new(model: &'m LoadedModel, max_active: usize) -> Batcher<'m> {
         let max_active = max_active.clamp(1, model.max_sequences());
-        Batcher { model, max_active, waiting: VecDeque::new(), active: Vec::new(), next_id: 0, stats: BatchStats::default() }
+        Batcher { model, max_active, waiting: VecDeque::new(), active: Vec::new(), next_id: 0, stats: BatchStats::default(), kept: None }
+    }
+
+    /// Keeps finished sequences (and copies right after their prompts) within the model's
+    /// allowance for kept state, and continues one when a job's prompt extends it: a chat
+    /// server's conversations take turns without running their history again.
+    pub fn keep_states(mut self) -> Batcher<'m> {
+        self.kept = Some(KeptStates::new(self.model.kept_bytes()));
+        self
+    }
+
+    /// Keeps `seq` for reuse, if states are kept.
+    fn keep(&mut self, seq: Sequence) {
+        if let Some(k) = &mut self.kept {
+            k.keep(seq, self.model.engine().model().config());
+        }
     }
 
     /// Sequences run at once at most.
@@ -232,20 +277,81 @@ impl<'m> Batcher<'m> {
         self.stats.clone()
     }
 
-    /// One engine step over every active job (admitting waiting ones first). Errors end the
-    /// jobs they concern, reported as [`BatchEvent::Failed`]; the batch goes on.
-    pub fn step(&mut self, out: &mut dyn BatchOutput) {
-        let start = Instant::now();
-        while self.active.len() < self.max_active {
-            let Some((id, job)) = self.waiting.pop_front() else { break };
-            if let Err(e) = self.check(&job) {
+    /// Whether `job` is scored in one step on a transient sequence (its whole prompt's logits,
+    /// nothing generated, short enough for one step's rows): it then needs no sequence slot.
+    fn scores_transiently(&self, job: &BatchJob, row_cap: usize) -> bool {
+        job.prompt_logits && job.opts.max_new == 0 && job.prompt.len() <= row_cap
+    }
+
+    /// Admits waiting jobs to free sequence slots, in order, failing those that cannot run, up
+    /// to the first that must wait (a scoring job joins later, once the rows are planned).
+    fn admit(&mut self, out: &mut dyn BatchOutput, row_cap: usize) {
+        while let Some((_, job)) = self.waiting.front() {
+            if let Err(e) = self.check(job) {
+                let (id, _) = self.waiting.pop_front().expect("a front job");
                 self.stats.jobs_failed += 1;
                 out.event(BatchEvent::Failed { job: id, error: &e });
                 continue;
             }
-            let seq = self.model.new_sequence();
-            self.active.push(Active { id, job, seq, fed: 0, pending: None, generated: 0, started: Instant::now(), first_token: None });
+            if self.scores_transiently(job, row_cap) || self.active.len() >= self.max_active {
+                break;
+            }
+            let (id, job) = self.waiting.pop_front().expect("a front job");
+            // Scoring wants every prompt row's logits, so it never starts from a kept state.
+            let reused = match &mut self.kept {
+                Some(k) if !job.prompt_logits => k.take_longest(&job.prompt, job.opts.max_new),
+                _ => None,
+            };
+            let seq = reused.unwrap_or_else(|| self.model.new_sequence());
+            let cached = seq.ids().len();
+            self.stats.cached_tokens += cached as u64;
+            out.event(BatchEvent::Started { job: id, cached_tokens: cached });
+            self.active.push(Active::new(id, job, seq, cached));
         }
+    }
+
+    /// Takes the waiting scoring jobs at the front of the queue that fit in `rows` more rows and
+    /// in the state the free sequence slots would hold: each gets a transient sequence holding
+    /// one layer's state at a time.
+    fn take_scoring(&mut self, out: &mut dyn BatchOutput, mut rows: usize, row_cap: usize) -> Vec<Active> {
+        let engine_model = self.model.engine().model();
+        let free = (self.max_active - self.active.len()) * Sequence::max_bytes(engine_model.config(), self.model.context());
+        let (mut state, mut taken) = (0, Vec::new());
+        while let Some((_, job)) = self.waiting.front() {
+            if !self.scores_transiently(job, row_cap) {
+                break;
+            }
+            let (n, bytes) = (job.prompt.len(), engine_model.layer_state_bytes(job.prompt.len()));
+            if let Err(e) = self.check(job) {
+                let (id, _) = self.waiting.pop_front().expect("a front job");
+                self.stats.jobs_failed += 1;
+                out.event(BatchEvent::Failed { job: id, error: &e });
+                continue;
+            }
+            if n > rows || state + bytes > free {
+                break;
+            }
+            let (id, job) = self.waiting.pop_front().expect("a front job");
+            rows -= n;
+            state += bytes;
+            out.event(BatchEvent::Started { job: id, cached_tokens: 0 });
+            taken.push(Active::new(id, job, Sequence::transient(engine_model, n), 0));
+        }
+        taken
+    }
+
+    /// One engine step over every active job (admitting waiting ones first). Errors end the
+    /// jobs they concern, reported as [`BatchEvent::Failed`]; the batch goes on.
+    ///
+    /// A step runs at most the rows the model's working memory was planned for (a prompt chunk
+    /// beside every other slot's decode row): decode rows first, then prompt chunks in order,
+    /// then whole scoring prompts, each on a transient sequence.
+    pub fn step(&mut self, out: &mut dyn BatchOutput) {
+        let start = Instant::now();
+        let chunk = self.model.engine().options().prefill_chunk.unwrap_or(usize::MAX).max(1);
+        let rows_planned = chunk.saturating_add(self.model.max_sequences() - 1);
+        let row_cap = rows_planned.min(SCORING_ROWS_MAX);
+        self.admit(out, row_cap);
         // Cancelled jobs leave before the step.
         let mut i = 0;
         while i < self.active.len() {
@@ -253,55 +359,77 @@ impl<'m> Batcher<'m> {
                 let a = self.active.remove(i);
                 self.stats.jobs_failed += 1;
                 out.event(BatchEvent::Failed { job: a.id, error: &Error::Cancelled });
+                // Between steps its state is whole.
+                self.keep(a.seq);
             } else {
                 i += 1;
             }
         }
-        if self.active.is_empty() {
-            return;
-        }
-        let chunk = self.model.engine().options().prefill_chunk.unwrap_or(usize::MAX).max(1);
-        // What each job runs in this step.
-        let plan: Vec<(Vec<u32>, Phase, LogitRows)> = self
+        // What each active job runs in this step: decode rows first, then prompt chunks while
+        // rows are left (a job with none left sits this step out).
+        let mut rows_left = rows_planned - self.active.iter().filter(|a| a.pending.is_some()).count().min(rows_planned);
+        let plan: Vec<Option<(Vec<u32>, Phase, LogitRows)>> = self
             .active
             .iter()
             .map(|a| match a.pending {
-                Some(t) => (vec![t], Phase::Decode, LogitRows::Last),
+                Some(t) => Some((vec![t], Phase::Decode, LogitRows::Last)),
                 None => {
-                    let end = (a.fed + chunk).min(a.job.prompt.len());
+                    let end = a.fed.saturating_add(rows_left.min(chunk)).min(a.job.prompt.len());
+                    rows_left -= end - a.fed;
                     let rows = if a.job.prompt_logits { LogitRows::All } else { LogitRows::Last };
-                    (a.job.prompt[a.fed..end].to_vec(), Phase::Prompt, rows)
+                    (end > a.fed).then(|| (a.job.prompt[a.fed..end].to_vec(), Phase::Prompt, rows))
                 }
             })
             .collect();
+        let mut scoring = self.take_scoring(out, rows_left.min(row_cap), row_cap);
+        let in_step = plan.iter().filter(|p| p.is_some()).count() + scoring.len();
+        if in_step == 0 {
+            return;
+        }
         let before = self.model.engine().experts().stats();
         let result = {
             let mut slots: Vec<Slot<'_>> = self
                 .active
                 .iter_mut()
                 .zip(&plan)
-                .map(|(a, (ids, phase, rows))| Slot::new(&mut a.seq, ids, *phase).logit_rows(*rows))
+                .filter_map(|(a, p)| p.as_ref().map(|(ids, phase, rows)| Slot::new(&mut a.seq, ids, *phase).logit_rows(*rows)))
                 .collect();
+            for a in &mut scoring {
+                slots.push(Slot::new(&mut a.seq, &a.job.prompt, Phase::Prompt).logit_rows(LogitRows::All));
+            }
             self.model.engine().step(&mut slots, None)
         };
         self.stats.steps += 1;
-        self.stats.sequence_steps += self.active.len() as u64;
+        self.stats.sequence_steps += in_step as u64;
         self.stats.expert_bytes_read += self.model.engine().experts().stats().bytes_read - before.bytes_read;
         let output = match result {
             Ok(o) => o,
             Err(e) => {
-                // The step was undone for everyone; the jobs in it fail, the waiting go on.
-                for a in self.active.drain(..) {
-                    self.stats.jobs_failed += 1;
+                // The step was undone for everyone in it; they fail, the others go on.
+                let mut k = 0;
+                self.active.retain(|a| {
+                    let ran = plan[k].is_some();
+                    k += 1;
+                    if ran {
+                        out.event(BatchEvent::Failed { job: a.id, error: &e });
+                    }
+                    !ran
+                });
+                for a in &scoring {
                     out.event(BatchEvent::Failed { job: a.id, error: &e });
                 }
+                self.stats.jobs_failed += in_step as u64;
                 self.stats.seconds += start.elapsed().as_secs_f64();
                 return;
             }
         };
         self.stats.distinct_expert_bytes += output.report.distinct_expert_bytes;
+        self.stats.distinct_experts += output.report.distinct_expert_bytes / self.model.engine().experts().expert_bytes().max(1);
+        let mut logits = output.logits.iter();
         let mut done = Vec::new();
-        for (i, (logits, (ids, phase, _))) in output.logits.iter().zip(&plan).enumerate() {
+        for (i, p) in plan.iter().enumerate() {
+            let Some((ids, phase, _)) = p else { continue };
+            let logits = logits.next().expect("one logits matrix per slot");
             let a = &mut self.active[i];
             let last = logits.row(logits.rows - 1);
             if *phase == Phase::Prompt {
@@ -316,6 +444,10 @@ impl<'m> Batcher<'m> {
                 if a.job.opts.max_new == 0 {
                     done.push((i, FinishReason::Length));
                     continue;
+                }
+                // The next turn of a chat extends the prompt, rarely the re-rendered reply.
+                if let Some(k) = &mut self.kept {
+                    k.keep_copy(&a.seq, self.model.engine().model().config());
                 }
             }
             // A new token, chosen exactly as plain generation chooses it.
@@ -334,11 +466,21 @@ impl<'m> Batcher<'m> {
                 a.pending = Some(t);
             }
         }
+        for (a, logits) in scoring.iter().zip(logits) {
+            out.event(BatchEvent::PromptLogits { job: a.id, first: 0, logits });
+            self.stats.prompt_tokens += a.job.prompt.len() as u64;
+        }
         let mut ended: Vec<(Active, FinishReason)> = done.iter().rev().map(|&(i, r)| (self.active.remove(i), r)).collect();
         ended.reverse();
         for (a, reason) in ended {
             self.stats.jobs_finished += 1;
             out.event(BatchEvent::Finished { job: a.id, reason, stats: Box::new(a.stats()) });
+            self.keep(a.seq);
+        }
+        for mut a in scoring {
+            a.fed = a.job.prompt.len();
+            self.stats.jobs_finished += 1;
+            out.event(BatchEvent::Finished { job: a.id, reason: FinishReason::Length, stats: Box::new(a.stats()) });
         }
         self.stats.seconds += start.elapsed().as_secs_f64();
     }

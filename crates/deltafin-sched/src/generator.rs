@@ -2,19 +2,19 @@
 //! generations (the prefix cache), stop conditions, `max_new` and stats, and reports through
 //! one [`Output`] trait that the CLI, the server and embedders share.
 //!
-//! **Prefix reuse.** The generator keeps the sequence of its last generation and a copy taken
-//! right after that generation's prompt (inside the generation, so the prompt still runs in one
-//! pass). A new prompt that extends either (a chat follow-up
-//! extends the prompt; it rarely extends the generated tokens exactly, since replies are
-//! re-rendered) runs only its new tokens. The kernels are batch-invariant, so the continuation is
-//! bit-identical to a cold run.
+//! **Prefix reuse.** The generator keeps the sequence of each generation and a copy taken right
+//! after its prompt (inside the generation, so the prompt still runs in one pass), for several
+//! conversations within the budget's allowance for kept state ([`crate::kept`]). A new prompt
+//! that extends one (a chat follow-up extends the prompt; it rarely extends the generated tokens
+//! exactly, since replies are re-rendered) runs only its new tokens. The kernels are
+//! batch-invariant, so the continuation is bit-identical to a cold run.
 
 use deltafin_spec::Drafter;
 
 use crate::engine::{GenerateOptions, Step};
 use crate::error::{Error, Result};
+use crate::kept::KeptStates;
 use crate::open::LoadedModel;
-use crate::sequence::Sequence;
 use crate::stats::Stats;
 
 /// Receives what a generation produces.
@@ -43,9 +43,8 @@ impl<F: FnMut(Step<'_>) -> bool> Output for OnToken<F> {
 /// Greedy generation with a prefix cache over one model.
 pub struct Generator<'m> {
     model: &'m LoadedModel,
-    /// The sequence of the last generation, and a copy taken right after its prompt.
-    full: Option<Sequence>,
-    after_prompt: Option<Sequence>,
+    /// Sequences of past generations, and copies taken right after their prompts.
+    kept: KeptStates,
     /// Guesses tokens for K3 to verify (speculative decoding), if set.
     drafter: Option<Box<dyn Drafter + 'm>>,
 }
@@ -55,7 +54,7 @@ impl<'m> Generator<'m> {
     /// one ([`crate::EngineBuilder::draft`]).
     pub fn new(model: &'m LoadedModel) -> Generator<'m> {
         let drafter = model.drafter().map(|d| d as Box<dyn Drafter + 'm>);
-        Generator { model, full: None, after_prompt: None, drafter }
+        Generator { model, kept: KeptStates::new(model.kept_bytes()), drafter }
     }
 
     /// Drafts tokens with `drafter` for K3 to verify (`None`: plain decoding). The output is the
@@ -64,10 +63,14 @@ impl<'m> Generator<'m> {
         self.drafter = drafter;
     }
 
-    /// Forgets the kept state (a new conversation).
+    /// Forgets every kept state.
     pub fn reset(&mut self) {
-        self.full = None;
-        self.after_prompt = None;
+        self.kept.clear();
+    }
+
+    /// Conversations' states kept now (after-prompt copies count apart).
+    pub fn kept_states(&self) -> usize {
+        self.kept.len()
     }
 
     /// Generates greedily after `prompt` (the whole conversation so far), reusing kept state
@@ -77,33 +80,37 @@ impl<'m> Generator<'m> {
         if prompt.is_empty() {
             return Err(Error::Invalid("the prompt is empty".into()));
         }
-        let extends =
-            |s: &Sequence| s.ids().len() < prompt.len() && prompt.starts_with(s.ids()) && prompt.len() + opts.max_new <= s.context_limit();
-        let mut seq = match (self.full.take(), self.after_prompt.take()) {
-            (Some(f), _) if extends(&f) => f,
-            (_, Some(p)) if extends(&p) => p,
-            _ => self.model.new_sequence(),
-        };
+        let mut seq = self.kept.take_longest(prompt, opts.max_new).unwrap_or_else(|| self.model.new_sequence());
         let cached = seq.ids().len();
         out.begin(cached);
         // The new part of the prompt runs in one pass; a copy of the state is kept right after
         // it, since the next prompt of a chat extends this one.
-        let mut kept = None;
         let drafter = self.drafter.as_deref_mut();
-        let result =
-            self.model.engine().generate_keeping(&mut seq, &prompt[cached..], opts, drafter, |s| out.token(s), |s| kept = Some(s.clone()));
-        self.after_prompt = kept;
+        let kept = &mut self.kept;
+        let cfg = self.model.engine().model().config();
+        let result = self.model.engine().generate_keeping(
+            &mut seq,
+            &prompt[cached..],
+            opts,
+            drafter,
+            |s| out.token(s),
+            |s| {
+                if opts.max_new > 0 {
+                    kept.keep_copy(s, cfg)
+                }
+            },
+        );
         match result {
             Ok(mut stats) => {
                 stats.cached_tokens = cached;
-                self.full = Some(seq);
+                self.kept.keep(seq, cfg);
                 out.finish(&stats);
                 Ok(stats)
             }
             Err(e) => {
                 // A cancelled step is undone, so the sequence is still whole and reusable.
                 if matches!(e, Error::Cancelled) {
-                    self.full = Some(seq);
+                    self.kept.keep(seq, cfg);
                 }
                 Err(e)
             }

@@ -27,6 +27,7 @@ mod draft;
 mod engine;
 mod error;
 mod generator;
+mod kept;
 mod open;
 mod sequence;
 mod stats;

@@ -40,6 +40,7 @@ pub struct EngineBuilder {
     backend: Option<Arc<dyn Backend>>,
     draft: Option<DraftWith>,
     max_sequences: usize,
+    kept_states: usize,
 }
 
 /// Where the RAM budget goes, in bytes.
@@ -51,6 +52,8 @@ pub struct MemoryPlan {
     pub working: u64,
     /// The draft model's weights and cache (0 without one).
     pub draft: u64,
+    /// Sequences kept between generations for reuse ([`EngineBuilder::kept_states`]).
+    pub kept: u64,
     pub experts: u64,
 }
 
@@ -71,6 +74,7 @@ impl EngineBuilder {
             backend: None,
             draft: None,
             max_sequences: 1,
+            kept_states: 1,
         }
     }
     /// Prefetch next-layer experts guessed from the current layer's output (on by default; no
@@ -133,6 +137,14 @@ impl EngineBuilder {
         self.max_sequences = n.max(1);
         self
     }
+    /// Room for `n` sequences' state at the context limit kept between generations, so that a
+    /// prompt extending an earlier one (a chat's next turn, from any of several conversations)
+    /// runs only its new tokens; short conversations take less, so more fit. 0 keeps nothing.
+    /// Default 1.
+    pub fn kept_states(mut self, n: usize) -> Self {
+        self.kept_states = n;
+        self
+    }
     /// Draft tokens with `with` (speculative decoding; output unchanged). A draft model is
     /// loaded when the model opens, inside the RAM budget.
     pub fn draft(mut self, with: Option<DraftWith>) -> Self {
@@ -165,6 +177,11 @@ impl EngineBuilder {
         (4 * (tokens * per_row + scores)) as u64 + (8 << 20)
     }
 
+    /// The bytes of kept state the budget reserves.
+    fn kept_bytes(&self, cfg: &K3Config) -> usize {
+        self.kept_states * Sequence::max_bytes(cfg, self.context)
+    }
+
     fn compute(&self) -> Arc<dyn Backend> {
         self.backend.clone().unwrap_or_else(|| Arc::new(Cpu::best()))
     }
@@ -186,6 +203,7 @@ impl EngineBuilder {
         let tokenizer = Arc::new(Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?);
         let drafting = self.draft.as_ref().map(|w| Drafting::open(w, &self.path, &tokenizer, self.compute())).transpose()?;
         let model = Model::load_with(ckpt.config().clone(), ckpt.as_ref(), self.compute())?;
+        let kept_bytes = self.kept_bytes(ckpt.config());
         let experts: Arc<dyn ExpertSource> = Arc::new(MappedExperts::new(ckpt.clone())?);
         self.options.prefill_chunk = self.options.prefill_chunk.filter(|&c| c > 0);
         Ok(LoadedModel {
@@ -193,6 +211,7 @@ impl EngineBuilder {
             tokenizer,
             context: self.context,
             max_sequences: self.max_sequences,
+            kept_bytes,
             plan: None,
             store: None,
             drafting,
@@ -210,6 +229,7 @@ impl EngineBuilder {
         let spine = store.spine_bytes();
         let slots = self.max_sequences as u64;
         let state = slots * Sequence::max_bytes(&cfg, self.context) as u64;
+        let kept = self.kept_bytes(&cfg) as u64;
         let expert_len = cfg.expert_shape().total_bytes() as u64;
         let all_experts = (cfg.moe_layers().len() * cfg.num_experts) as u64
             * deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
@@ -222,6 +242,7 @@ impl EngineBuilder {
                     sequence_state: state,
                     working: EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context),
                     draft,
+                    kept,
                     experts: all_experts,
                 }
             }
@@ -229,18 +250,19 @@ impl EngineBuilder {
                 let chunk = *self.options.prefill_chunk.get_or_insert(DEFAULT_BUDGET_CHUNK);
                 // A step runs one prompt chunk beside the other sequences' decode rows.
                 let working = EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context);
-                let fixed = spine + state + working + draft;
+                let fixed = spine + state + working + draft + kept;
                 let min = fixed + StreamingExperts::min_budget(cfg.expert_shape());
                 if budget < min {
                     return Err(StoreError::BudgetTooSmall {
                         budget,
                         minimum: min,
                         why: format!(
-                            "spine {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
+                            "spine {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + kept states {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
                             spine as f64 / 1e6,
                             self.max_sequences,
                             self.context,
                             state as f64 / 1e6,
+                            kept as f64 / 1e6,
                             working as f64 / 1e6,
                             draft as f64 / 1e6,
                             expert_len as f64 / 1e6
@@ -248,7 +270,7 @@ impl EngineBuilder {
                     }
                     .into());
                 }
-                MemoryPlan { budget, spine, sequence_state: state, working, draft, experts: budget - fixed }
+                MemoryPlan { budget, spine, sequence_state: state, working, draft, kept, experts: budget - fixed }
             }
         };
         // The hot tier: the hottest experts from past runs, up to pin_bytes (within the budget).
@@ -274,6 +296,7 @@ impl EngineBuilder {
             tokenizer,
             context: self.context,
             max_sequences: self.max_sequences,
+            kept_bytes: plan.kept as usize,
             plan: Some(plan),
             store: Some(store),
             drafting,
@@ -287,6 +310,7 @@ pub struct LoadedModel {
     tokenizer: Arc<Tokenizer>,
     context: usize,
     max_sequences: usize,
+    kept_bytes: usize,
     plan: Option<MemoryPlan>,
     store: Option<Arc<Store>>,
     drafting: Option<Drafting>,
@@ -312,6 +336,10 @@ impl LoadedModel {
     /// Sequences that may hold state at once ([`EngineBuilder::max_sequences`]).
     pub fn max_sequences(&self) -> usize {
         self.max_sequences
+    }
+    /// Bytes of state kept between generations for reuse ([`EngineBuilder::kept_states`]).
+    pub fn kept_bytes(&self) -> usize {
+        self.kept_bytes
     }
     /// A fresh sequence at this model's context limit.
     pub fn new_sequence(&self) -> Sequence {

@@ -19,12 +19,30 @@ pub struct Sequence {
     pub(crate) last_pass: usize,
     /// Every pass records enough to be cut back to any prefix (as verification passes do).
     pub(crate) record_all: bool,
+    /// Run once and thrown away (prompt scoring): each layer's state exists only while the step
+    /// runs that layer, so a step holds one layer's state per such sequence, not all of them.
+    pub(crate) transient: bool,
 }
 
 impl Sequence {
     /// An empty sequence for `model` holding at most `context_limit` tokens.
     pub fn new(model: &Model, context_limit: usize) -> Sequence {
-        Sequence { ids: Vec::new(), layers: model.new_state(context_limit), context_limit, last_pass: 0, record_all: false }
+        Sequence {
+            ids: Vec::new(),
+            layers: model.new_state(context_limit),
+            context_limit,
+            last_pass: 0,
+            record_all: false,
+            transient: false,
+        }
+    }
+
+    /// A sequence for one step of `tokens` tokens whose result is all that is wanted (the logits
+    /// of a scored prompt): its layers' state is made when the step reaches each layer and
+    /// released when the layer is done. It cannot be continued or undone.
+    pub fn transient(model: &Model, tokens: usize) -> Sequence {
+        let layers = (0..model.config().num_layers).map(|_| model.released_layer_state()).collect();
+        Sequence { ids: Vec::new(), layers, context_limit: tokens, last_pass: 0, record_all: false, transient: true }
     }
     /// Tokens consumed so far.
     pub fn ids(&self) -> &[u32] {

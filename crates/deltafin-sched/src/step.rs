@@ -100,6 +100,9 @@ impl Engine {
             return Err(Error::Invalid("nothing to run: a step needs slots with at least one token each".into()));
         }
         for s in slots.iter() {
+            if s.seq.transient && !s.seq.ids.is_empty() {
+                return Err(Error::Invalid("a transient sequence runs one step only; it keeps no state to continue from".into()));
+            }
             if s.seq.ids.len() + s.ids.len() > s.seq.context_limit {
                 return Err(deltafin_core::Error::ContextLimit(format!(
                     "{} tokens held + {} new exceed the context limit of {}; start a new conversation or raise --context",
@@ -135,7 +138,10 @@ impl Engine {
             }
             Err(e) => {
                 for (s, &done) in slots.iter_mut().zip(&advanced) {
-                    s.seq.undo_pass(self.model(), done)?;
+                    // A transient sequence holds no state to undo; it is thrown away.
+                    if !s.seq.transient {
+                        s.seq.undo_pass(self.model(), done)?;
+                    }
                 }
                 Err(e)
             }
@@ -157,14 +163,20 @@ impl Engine {
         let mut hidden: Vec<Vec<Mat>> = slots.iter().map(|s| Vec::with_capacity(s.hidden.len())).collect();
         let mut res: Vec<Residual> = slots.iter().map(|s| model.embed(s.ids).map(Residual::new)).collect::<std::result::Result<_, _>>()?;
         // Prefetch pays only in decode (a prompt step demands most experts anyway), for a lone row.
-        let lone_decode = slots.len() == 1 && slots[0].ids.len() == 1;
+        let lone_decode = slots.len() == 1 && slots[0].ids.len() == 1 && !slots[0].seq.transient;
         for l in 0..cfg.num_layers {
             if cancel.is_some_and(Cancel::is_cancelled) {
                 return Err(Error::Cancelled);
             }
             let mut x: Option<Mat> = None;
             for (i, s) in slots.iter_mut().enumerate() {
+                if s.seq.transient {
+                    s.seq.layers[l] = model.new_layer_state(l, s.ids.len());
+                }
                 let xi = model.attention_block(l, &mut s.seq.layers[l], &mut res[i])?;
+                if s.seq.transient {
+                    s.seq.layers[l] = model.released_layer_state();
+                }
                 advanced[i] = l + 1;
                 match &mut x {
                     None => x = Some(xi),

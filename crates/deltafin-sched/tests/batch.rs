@@ -78,6 +78,7 @@ fn check(model: &LoadedModel, max_active: usize, label: &str) {
                 }
                 BatchEvent::Finished { job, reason, .. } => finished.push((job, reason)),
                 BatchEvent::Failed { job, error } => panic!("{label}: job {job} failed: {error}"),
+                BatchEvent::Started { cached_tokens, .. } => assert_eq!(cached_tokens, 0, "nothing is kept by default"),
             }
             true
         });
@@ -178,11 +179,103 @@ fn a_failed_step_fails_its_jobs_and_the_batch_goes_on() {
         match e {
             BatchEvent::Failed { job, error } => failed.push((job, error.to_string())),
             BatchEvent::Token { .. } | BatchEvent::Finished { .. } => panic!("a corrupt expert produced output"),
-            BatchEvent::PromptLogits { .. } => {}
+            BatchEvent::PromptLogits { .. } | BatchEvent::Started { .. } => {}
         }
         true
     });
     assert_eq!(failed.iter().map(|(j, _)| *j).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4], "every job failed, in order");
     assert!(failed.iter().all(|(_, e)| e.contains("checksum")), "{failed:?}");
     assert_eq!((stats.jobs_failed, stats.jobs_finished), (5, 0));
+}
+
+#[test]
+fn kept_states_let_conversations_take_turns_in_lockstep() {
+    let model = EngineBuilder::new(fixture()).max_sequences(2).kept_states(2).open().unwrap();
+    let mut b = Batcher::new(&model, 2).keep_states();
+    let p = |seed: u32, n: u32| (0..n).map(|i| (i * 29 + seed * 97 + 1) % 1000).collect::<Vec<u32>>();
+    let turn1 = [p(1, 12), p(2, 7), p(3, 10)];
+    // Turn two of each conversation: its first prompt, a reply that is not the model's, more.
+    let turn2: Vec<Vec<u32>> = turn1.iter().enumerate().map(|(i, t)| [t.clone(), vec![40 + i as u32, 41, 42, 43]].concat()).collect();
+    let opts = GenerateOptions::new(5);
+    for t in &turn1 {
+        b.submit(BatchJob::new(t.clone(), opts.clone()));
+    }
+    b.run(&mut |_: BatchEvent<'_>| true);
+    let mut cached = HashMap::new();
+    let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+    let ids: Vec<u64> = turn2.iter().map(|t| b.submit(BatchJob::new(t.clone(), opts.clone()))).collect();
+    let stats = b.run(&mut |e: BatchEvent<'_>| {
+        match e {
+            BatchEvent::Started { job, cached_tokens } => {
+                cached.insert(job, cached_tokens);
+            }
+            BatchEvent::Token { job, step } => got.entry(job).or_default().push(step.id),
+            BatchEvent::Failed { job, error } => panic!("job {job} failed: {error}"),
+            _ => {}
+        }
+        true
+    });
+    for (i, id) in ids.iter().enumerate() {
+        let want = solo(&model, &BatchJob::new(turn2[i].clone(), opts.clone())).0;
+        assert_eq!(got[id], want, "conversation {i}: reuse changed the output");
+    }
+    // Three conversations' states (and after-prompt copies) under an allowance of two
+    // full-context sequences: short ones all fit.
+    assert_eq!(ids.iter().map(|id| cached[id]).collect::<Vec<_>>(), turn1.iter().map(Vec::len).collect::<Vec<_>>());
+    assert_eq!(stats.cached_tokens as usize, turn1.iter().map(Vec::len).sum::<usize>());
+}
+
+#[test]
+fn scoring_prompts_share_steps_on_transient_state_without_sequence_slots() {
+    // One sequence slot, steps of at most 40 rows.
+    let model = EngineBuilder::new(fixture()).max_sequences(1).prefill_chunk(Some(40)).open().unwrap();
+    let mut b = Batcher::new(&model, 1);
+    let p = |seed: u32, n: u32| (0..n).map(|i| (i * 43 + seed * 59 + 2) % 1000).collect::<Vec<u32>>();
+    let mut jobs: Vec<BatchJob> = (0..12).map(|i| BatchJob::new(p(i, 5 + i % 4), GenerateOptions::new(0)).with_prompt_logits()).collect();
+    jobs.push(BatchJob::new(p(99, 6), GenerateOptions::new(4)));
+    // Longer than a step's rows: scored chunk by chunk on a sequence slot instead.
+    jobs.push(BatchJob::new(p(7, 57), GenerateOptions::new(0)).with_prompt_logits());
+    for j in &jobs {
+        b.submit(j.clone());
+    }
+    let mut got: HashMap<u64, Run> = HashMap::new();
+    let stats = b.run(&mut |e: BatchEvent<'_>| {
+        match e {
+            BatchEvent::PromptLogits { job, first, logits } => {
+                let g = got.entry(job).or_default();
+                assert_eq!(g.2.len(), first);
+                g.2.extend((0..logits.rows).map(|r| bits(logits.row(r))));
+            }
+            BatchEvent::Token { job, step } => got.entry(job).or_default().0.push(step.id),
+            BatchEvent::Failed { job, error } => panic!("job {job} failed: {error}"),
+            _ => {}
+        }
+        true
+    });
+    for (i, job) in jobs.iter().enumerate() {
+        let want = solo(&model, job);
+        let have = got.remove(&(i as u64)).unwrap_or_default();
+        assert_eq!(have.0, want.0, "job {i}'s ids");
+        assert!(have.2 == want.2, "job {i}'s prompt logits differ from a solo forward");
+    }
+    // 81 scoring rows in steps of 40 (3 steps, the generation's prompt joining the last), four
+    // decode steps, two chunks of the long prompt: far fewer steps than jobs.
+    assert_eq!(stats.jobs_finished, jobs.len() as u64);
+    assert!(stats.steps <= 9, "{} steps", stats.steps);
+    assert!(stats.sequences_per_step() > 1.5, "{}", stats.sequences_per_step());
+}
+
+#[test]
+fn a_transient_sequence_runs_one_step_and_keeps_no_state() {
+    use deltafin_sched::{Phase, Sequence, Slot};
+    let model = EngineBuilder::new(fixture()).open().unwrap();
+    let ids = [5u32, 9, 14, 3];
+    let mut t = Sequence::transient(model.engine().model(), ids.len());
+    let out = model.engine().step(&mut [Slot::new(&mut t, &ids, Phase::Prompt).logit_rows(LogitRows::All)], None).unwrap();
+    let mut plain = model.new_sequence();
+    let (want, _) = model.engine().forward(&mut plain, &ids, LogitRows::All).unwrap();
+    assert!(out.logits[0].data == want.data, "transient logits differ from a plain forward");
+    assert_eq!(t.bytes(model.engine().model().config()), 0, "every layer's state was released");
+    let again = model.engine().step(&mut [Slot::new(&mut t, &[7], Phase::Decode)], None);
+    assert!(again.unwrap_err().to_string().contains("one step only"));
 }

@@ -58,6 +58,27 @@ pub struct BatchSummary {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub seconds: f64,
+    /// Engine steps run in lockstep, and summed over them: the sequences they ran and the
+    /// distinct experts they routed; expert bytes they read.
+    pub steps: u64,
+    pub sequence_steps: u64,
+    pub distinct_experts: u64,
+    pub expert_bytes_read: u64,
+}
+
+impl BatchSummary {
+    /// Mean sequences per lockstep step.
+    pub fn sequences_per_step(&self) -> f64 {
+        self.sequence_steps as f64 / (self.steps as f64).max(1.0)
+    }
+    /// Mean distinct experts routed per step (all layers).
+    pub fn distinct_experts_per_step(&self) -> f64 {
+        self.distinct_experts as f64 / (self.steps as f64).max(1.0)
+    }
+    /// Expert bytes read per generated token.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.expert_bytes_read as f64 / (self.completion_tokens as f64).max(1.0)
+    }
 }
 
 /// Why a batch could not run.
@@ -186,6 +207,7 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
     let state = AppState::new(server);
     let queue = crate::worker::start(model.clone(), state.cfg.max_queue, max_batch, state.metrics.clone());
     let _ = state.ready.set(Ready { model, queue });
+    let metrics = state.metrics.clone();
     let app = router(state);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io)?;
     rt.block_on(async {
@@ -234,5 +256,10 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
         Ok::<(), BatchError>(())
     })?;
     summary.seconds = start.elapsed().as_secs_f64();
+    let g = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    summary.steps = g(&metrics.steps);
+    summary.sequence_steps = g(&metrics.sequence_steps);
+    summary.distinct_experts = g(&metrics.distinct_experts);
+    summary.expert_bytes_read = g(&metrics.step_expert_bytes_read);
     Ok(summary)
 }

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use deltafin::Stats;
+use deltafin::{BatchStats, Stats};
 
 #[derive(Default)]
 pub struct Metrics {
@@ -15,6 +15,12 @@ pub struct Metrics {
     pub expert_bytes_read: AtomicU64,
     pub cancelled: AtomicU64,
     pub panics: AtomicU64,
+    /// Lockstep steps (`--max-batch` > 1), the sequences they ran, the distinct experts they
+    /// routed and the expert bytes they read.
+    pub steps: AtomicU64,
+    pub sequence_steps: AtomicU64,
+    pub distinct_experts: AtomicU64,
+    pub step_expert_bytes_read: AtomicU64,
     last: Mutex<(f64, f64, f64)>,
     ttft_sum_ms: AtomicU64,
     generations: AtomicU64,
@@ -30,6 +36,15 @@ impl Metrics {
         self.ttft_sum_ms.fetch_add((s.ttft_s * 1000.0) as u64, Ordering::Relaxed);
         self.generations.fetch_add(1, Ordering::Relaxed);
         *self.last.lock().expect("poisoned") = (s.ttft_s, s.decode_tok_s, s.cache_hit_rate);
+    }
+
+    /// Adds one lockstep step: the batcher's totals `before` it and `after`.
+    pub fn record_step(&self, before: &BatchStats, after: &BatchStats) {
+        let add = |a: &AtomicU64, x: u64, y: u64| a.fetch_add(y.saturating_sub(x), Ordering::Relaxed);
+        add(&self.steps, before.steps, after.steps);
+        add(&self.sequence_steps, before.sequence_steps, after.sequence_steps);
+        add(&self.distinct_experts, before.distinct_experts, after.distinct_experts);
+        add(&self.step_expert_bytes_read, before.expert_bytes_read, after.expert_bytes_read);
     }
 
     pub fn status(&self, code: u16) {
@@ -59,6 +74,25 @@ impl Metrics {
         );
         metric("deltafin_generated_tokens_total", "counter", "Tokens generated", g(&self.generated_tokens).to_string());
         metric("deltafin_expert_bytes_read_total", "counter", "Expert bytes read from drives", g(&self.expert_bytes_read).to_string());
+        metric("deltafin_lockstep_steps_total", "counter", "Engine steps run in lockstep (--max-batch > 1)", g(&self.steps).to_string());
+        metric(
+            "deltafin_lockstep_sequence_steps_total",
+            "counter",
+            "Sequences summed over lockstep steps (divide by steps: sequences per step)",
+            g(&self.sequence_steps).to_string(),
+        );
+        metric(
+            "deltafin_lockstep_distinct_experts_total",
+            "counter",
+            "Distinct experts routed, summed over lockstep steps (divide by steps: experts per step)",
+            g(&self.distinct_experts).to_string(),
+        );
+        metric(
+            "deltafin_lockstep_expert_bytes_read_total",
+            "counter",
+            "Expert bytes read by lockstep steps",
+            g(&self.step_expert_bytes_read).to_string(),
+        );
         metric("deltafin_generations_total", "counter", "Finished generations", g(&self.generations).to_string());
         metric("deltafin_cancelled_total", "counter", "Generations stopped because the client went away", g(&self.cancelled).to_string());
         metric("deltafin_panics_total", "counter", "Generations that panicked (the server survived)", g(&self.panics).to_string());

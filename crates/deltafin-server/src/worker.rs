@@ -3,7 +3,8 @@
 //! With `--max-batch 1` generations run one at a time: the worker's [`Generator`] keeps the state
 //! of the last generation; when a new prompt extends it (the usual chat follow-up), only the new
 //! tokens are run, bit-identical to a cold run (tested). With more, a [`Batcher`] runs up to that
-//! many requests in lockstep, one expert read serving all of them; each gets its solo output.
+//! many requests in lockstep, one expert read serving all of them; each gets its solo output, and
+//! the batcher keeps several conversations' states the same way.
 //! A panic inside a generation is caught: its clients get an error, the server lives.
 
 use std::panic::AssertUnwindSafe;
@@ -124,7 +125,6 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, metric
                         // Scoring needs the prompt rows' logits: the batcher's path, alone.
                         let mut jobs = HashMap::new();
                         let mut b = Batcher::new(&model, 1);
-                        let _ = job.events.send(Event::Started { cached_tokens: 0 });
                         jobs.insert(b.submit(batch_job(&job)), job);
                         while !b.is_idle() {
                             b.step(&mut |e: BatchEvent<'_>| on_batch_event(e, &mut jobs, &metrics));
@@ -205,6 +205,12 @@ fn batch_job(job: &Job) -> BatchJob {
 /// Turns a batcher event into the events of its request; `false` stops that job.
 fn on_batch_event(e: BatchEvent<'_>, jobs: &mut HashMap<JobId, Job>, metrics: &Metrics) -> bool {
     match e {
+        BatchEvent::Started { job, cached_tokens } => {
+            if let Some(j) = jobs.get(&job) {
+                let _ = j.events.send(Event::Started { cached_tokens });
+            }
+            true
+        }
         BatchEvent::Token { job, step } => {
             let Some(j) = jobs.get(&job) else { return false };
             let (logprob, top) = match j.logprobs {
@@ -226,8 +232,9 @@ fn on_batch_event(e: BatchEvent<'_>, jobs: &mut HashMap<JobId, Job>, metrics: &M
                 if j.events.is_closed() {
                     metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 }
-                metrics.record(&stats, 0);
-                let _ = j.events.send(Event::Done { stats, cached_tokens: 0, hit_stop_id: reason == FinishReason::Stop });
+                let cached_tokens = stats.cached_tokens;
+                metrics.record(&stats, cached_tokens);
+                let _ = j.events.send(Event::Done { stats, cached_tokens, hit_stop_id: reason == FinishReason::Stop });
             }
             true
         }
@@ -246,7 +253,7 @@ fn on_batch_event(e: BatchEvent<'_>, jobs: &mut HashMap<JobId, Job>, metrics: &M
 
 /// The lockstep loop: jobs join the batcher as they arrive and leave as they finish.
 fn run_batched(model: &LoadedModel, max_batch: usize, rx: &mpsc::Receiver<Job>, depth: &AtomicUsize, metrics: &Metrics) {
-    let mut batcher = Batcher::new(model, max_batch);
+    let mut batcher = Batcher::new(model, max_batch).keep_states();
     let mut jobs: HashMap<JobId, Job> = HashMap::new();
     loop {
         // Wait for work when idle; otherwise take whatever arrived since the last step.
@@ -264,20 +271,21 @@ fn run_batched(model: &LoadedModel, max_batch: usize, rx: &mpsc::Receiver<Job>, 
                 metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            let _ = job.events.send(Event::Started { cached_tokens: 0 });
             let id = batcher.submit(batch_job(&job));
             jobs.insert(id, job);
         }
         let step = std::panic::catch_unwind(AssertUnwindSafe(|| {
             fault_panic(jobs.values().map(|j| j.prompt.as_slice()));
-            batcher.step(&mut |e: BatchEvent<'_>| on_batch_event(e, &mut jobs, metrics))
+            let before = batcher.stats().clone();
+            batcher.step(&mut |e: BatchEvent<'_>| on_batch_event(e, &mut jobs, metrics));
+            metrics.record_step(&before, batcher.stats());
         }));
         if step.is_err() {
             metrics.panics.fetch_add(1, Ordering::Relaxed);
             for (_, j) in jobs.drain() {
                 let _ = j.events.send(Event::Failed("internal error: the generation panicked; the server is still running".into()));
             }
-            batcher = Batcher::new(model, max_batch);
+            batcher = Batcher::new(model, max_batch).keep_states();
         }
     }
 }

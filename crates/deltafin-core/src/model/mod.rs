@@ -157,14 +157,30 @@ impl Model {
 
     /// Fresh per-layer state for a sequence of at most `context` tokens.
     pub fn new_state(&self, context: usize) -> Vec<LayerState> {
-        self.config
-            .attention
-            .iter()
-            .map(|k| match k {
-                AttentionKind::Kda => LayerState::Kda(KdaState::new(&self.config)),
-                AttentionKind::Mla => LayerState::Mla(MlaCache::with_capacity(&self.config, context)),
-            })
-            .collect()
+        (0..self.config.num_layers).map(|l| self.new_layer_state(l, context)).collect()
+    }
+
+    /// Fresh state of layer `l` alone, for at most `context` tokens.
+    pub fn new_layer_state(&self, l: usize, context: usize) -> LayerState {
+        match self.config.attention[l] {
+            AttentionKind::Kda => LayerState::Kda(KdaState::new(&self.config)),
+            AttentionKind::Mla => LayerState::Mla(MlaCache::with_capacity(&self.config, context)),
+        }
+    }
+
+    /// A stand-in for a layer's state that holds nothing and allocates nothing (a transient
+    /// sequence's layers before and after their turn).
+    pub fn released_layer_state(&self) -> LayerState {
+        LayerState::Mla(MlaCache::with_capacity(&self.config, 0))
+    }
+
+    /// Most bytes one layer's state holds for `tokens` tokens (KDA: constant; MLA: per token).
+    pub fn layer_state_bytes(&self, tokens: usize) -> usize {
+        let c = self.config.kda_dim();
+        let kda = 4 * (3 * (self.config.conv_kernel - 1) * c + self.config.kda_heads * self.config.kda_head_dim * self.config.kda_head_dim);
+        let mla = tokens * MlaCache::bytes_per_token(&self.config);
+        let has_kda = self.config.attention.contains(&AttentionKind::Kda);
+        mla.max(if has_kda { kda } else { 0 })
     }
 
     /// Token embeddings, one row per id.
