@@ -6,4 +6,5 @@ pub mod demo;
 pub mod fuzz_store;
 pub mod gen_k3;
 pub mod gen_qwen3;
+pub mod hub_emulator;
 pub mod oracle;

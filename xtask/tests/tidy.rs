@@ -87,7 +87,7 @@ fn crate_boundaries_hold() {
         }
     }
     // Only the server knows HTTP.
-    for krate in ["deltafin", "deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-cli"] {
+    for krate in ["deltafin", "deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-cli", "deltafin-fetch"] {
         let manifest = std::fs::read_to_string(root().join(format!("crates/{krate}/Cargo.toml"))).unwrap();
         for dep in ["axum", "hyper", "tokio"] {
             if manifest
@@ -95,6 +95,18 @@ fn crate_boundaries_hold() {
                 .any(|l| l.starts_with(&format!("{dep} ")) || l.starts_with(&format!("{dep}.")) || l.starts_with(&format!("{dep}=")))
             {
                 bad.push(format!("{krate} depends on {dep}: only deltafin-server speaks HTTP"));
+            }
+        }
+    }
+    // Only deltafin-fetch makes outgoing HTTP.
+    for krate in ["deltafin", "deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-cli", "deltafin-server"] {
+        let manifest = std::fs::read_to_string(root().join(format!("crates/{krate}/Cargo.toml"))).unwrap();
+        let deps = manifest.split("[dependencies]").nth(1).unwrap_or("").split("\n[").next().unwrap_or("");
+        for client in ["ureq", "reqwest", "hyper-util", "isahc", "curl", "attohttpc"] {
+            if deps.lines().any(|l| {
+                l.starts_with(&format!("{client} ")) || l.starts_with(&format!("{client}.")) || l.starts_with(&format!("{client}="))
+            }) {
+                bad.push(format!("{krate} depends on {client}: only deltafin-fetch makes outgoing HTTP"));
             }
         }
     }

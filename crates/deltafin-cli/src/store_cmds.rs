@@ -42,12 +42,28 @@ impl Progress for Bars {
 
 #[derive(Args, Debug)]
 pub struct SetupArgs {
-    /// The checkpoint folder to install (release layout).
+    /// The checkpoint folder to install (release layout), or with --stream a hub repository:
+    /// hf://OWNER/REPO[@REVISION] (HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE are honoured).
     #[arg(long)]
-    pub from: PathBuf,
+    pub from: String,
     /// Install the whole model now ("full" mode).
-    #[arg(long, required = true)]
+    #[arg(long, required_unless_present = "stream", conflicts_with = "stream")]
     pub full: bool,
+    /// Start small ("stream" mode): config, tokenizer and spine now, each expert fetched from the
+    /// hub the first time it is needed and cached.
+    #[arg(long)]
+    pub stream: bool,
+    /// With --stream: disk space the expert cache may take (e.g. 200G); the coldest experts are
+    /// evicted beyond it.
+    #[arg(long, value_parser = parse_size)]
+    pub disk_budget: Option<u64>,
+    /// With --stream: fetch every expert now, so the store runs offline.
+    #[arg(long)]
+    pub fill: bool,
+    /// With --stream: shards up to this size are downloaded whole at setup and checked against
+    /// their SHA-256 (tests and benchmarks set 0 to stream every expert).
+    #[arg(long, value_parser = parse_size, hide = true)]
+    pub whole_shard_max: Option<u64>,
     /// The store folder to create (spine, manifest).
     #[arg(long)]
     pub out: PathBuf,
@@ -67,6 +83,33 @@ pub struct SetupArgs {
 }
 
 pub fn run_setup(a: SetupArgs) -> Result<()> {
+    if a.stream {
+        if a.in_place || !a.homes.is_empty() || a.copies != 1 {
+            bail!("--stream keeps experts in the store's cache; --in-place, --home and --copies apply to --full installs");
+        }
+        let mut opts = deltafin::StreamOptions::new(a.from.clone(), &a.out);
+        opts.disk_budget = a.disk_budget;
+        opts.fill = a.fill;
+        opts.reinstall = a.reinstall;
+        if let Some(w) = a.whole_shard_max {
+            opts.whole_shard_max = w;
+        }
+        let info = deltafin::setup_stream(&opts, &Bars::new())?;
+        ready(&a.out, &info);
+        if !a.fill {
+            eprintln!("experts are fetched from the hub as runs need them; `deltafin setup` again with --fill fetches them all now");
+        }
+        return Ok(());
+    }
+    if a.disk_budget.is_some() || a.fill {
+        bail!("--disk-budget and --fill apply to --stream installs");
+    }
+    if a.from.starts_with("hf://") {
+        bail!(
+            "{} is a hub repository: install it with --stream (a --full install from the hub is not supported yet: use --stream --fill)",
+            a.from
+        );
+    }
     if a.in_place && !a.homes.is_empty() {
         bail!("--in-place reads experts from the checkpoint folder; --home only applies to copied packs");
     }
@@ -122,6 +165,12 @@ pub fn run_doctor(a: DoctorArgs) -> Result<()> {
             r.copies_checked,
             if verify { ", checksums verified" } else { "" }
         );
+        if let Some((cached, streamed, bytes)) = r.stream_cache {
+            eprintln!(
+                "stream store: {cached} of {streamed} streamed experts cached ({:.1} MB); the rest are fetched from the hub on first use",
+                bytes as f64 / 1e6
+            );
+        }
         return Ok(());
     }
     for p in &r.problems {

@@ -23,6 +23,8 @@ pub struct DoctorReport {
     pub problems: Vec<String>,
     /// What to run to fix them.
     pub advice: String,
+    /// A stream store's cache: experts cached, experts fetched on use, bytes cached.
+    pub stream_cache: Option<(usize, usize, u64)>,
 }
 
 impl DoctorReport {
@@ -108,6 +110,11 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
         progress.advance(t.len);
     }
     for e in &m.experts {
+        if e.xxh3.is_empty() {
+            // A stream store's expert, fetched on use: the cache checks it on every read.
+            progress.advance(e.len);
+            continue;
+        }
         r.experts_checked += 1;
         for c in &e.copies {
             r.copies_checked += 1;
@@ -121,6 +128,18 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
         }
     }
     progress.end();
+    if m.layout == crate::manifest::LAYOUT_STREAM {
+        match crate::manifest::read_sealed::<crate::hub_cache::HubRecord>(&dir.join(crate::hub_cache::HUB_RECORD)) {
+            Ok(rec) => match crate::hub_cache::HubCache::open(dir, &m, &rec) {
+                Ok(cache) => {
+                    let (bytes, n) = cache.cached();
+                    r.stream_cache = Some((n, m.experts.iter().filter(|e| e.xxh3.is_empty()).count(), bytes));
+                }
+                Err(e) => r.problems.push(e.to_string()),
+            },
+            Err(e) => r.problems.push(format!("{}: {e:?}", dir.join(crate::hub_cache::HUB_RECORD).display())),
+        }
+    }
     if verify {
         check_records(dir, &m, &mut r);
         check_padding(dir, &m, &mut r);
@@ -232,6 +251,11 @@ pub fn repair(dir: &Path, progress: &dyn Progress) -> Result<Manifest> {
             ),
         )
     })?;
+    if rec.layout == crate::manifest::LAYOUT_STREAM {
+        // Everything of a stream store comes from the hub again, at the pinned commit.
+        let from = rec.source.to_string_lossy().into_owned();
+        return crate::setup::setup_stream(&crate::setup::StreamOptions::new(from, dir), progress);
+    }
     if !rec.source.join("config.json").exists() {
         return Err(Error::format(
             &rec.source,

@@ -48,6 +48,9 @@ pub enum Error {
     /// The RAM budget is too small to run at all.
     #[error("RAM budget {budget} bytes is too small: this model needs at least {minimum} bytes ({why})")]
     BudgetTooSmall { budget: u64, minimum: u64, why: String },
+    /// The hub could not give what a stream store needs.
+    #[error(transparent)]
+    Fetch(#[from] deltafin_fetch::Error),
     /// Model math rejected something (config, tensor shape).
     #[error(transparent)]
     Model(#[from] deltafin_core::Error),

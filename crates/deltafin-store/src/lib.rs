@@ -18,6 +18,7 @@ mod checkpoint;
 mod doctor;
 mod draft;
 mod error;
+mod hub_cache;
 mod identity;
 mod lock;
 mod manifest;
@@ -34,15 +35,19 @@ pub use crate::{
     doctor::{doctor, repair, DoctorReport},
     draft::DraftCheckpoint,
     error::{Error, Result},
+    hub_cache::{HubCache, HubCacheStats, HubFile, HubRecord, CACHE_DIR, HUB_DIR, HUB_RECORD, WHOLE_SHARD_FETCH},
     identity::source_id,
     lock::{DirLock, LOCK_FILE},
     manifest::{
         checksum, read_sealed, repair_advice, write_sealed, Copy, ExpertEntry, FileSum, Manifest, SealError, SetupRecord, SpineTensor,
-        ALIGN, FORMAT, LAYOUT_IN_PLACE, LAYOUT_PACKS,
+        ALIGN, FORMAT, LAYOUT_IN_PLACE, LAYOUT_PACKS, LAYOUT_STREAM,
     },
     memory::{AlignedBuf, Budget, BUF_ALIGN},
     reader::{aligned_window, open_for_read, read_aligned, CacheMode},
-    setup::{assign_homes, drop_cache, setup, ExpertLayoutKind, LocalFiles, NoProgress, Progress, SetupOptions, SpanSource, PACKS_DIR},
+    setup::{
+        assign_homes, drop_cache, setup, setup_stream, ExpertLayoutKind, LocalFiles, NoProgress, Progress, SetupOptions, SpanSource,
+        StreamOptions, PACKS_DIR,
+    },
     source::{Delivery, ExpertSource, HomeStats, MappedExperts, Priority, SourceStats},
     store::Store,
     streaming::{CachePolicy, ReaderOptions, StreamingExperts, DEFAULT_SPLIT_MIN},

@@ -89,6 +89,9 @@ pub struct SetupRecord {
 impl SetupRecord {
     /// The `deltafin setup` command line that installs this record into `store`.
     pub fn command(&self, store: &Path) -> String {
+        if self.layout == LAYOUT_STREAM {
+            return format!("deltafin setup --stream --from {} --out {}", self.source.display(), store.display());
+        }
         let mut c = format!("deltafin setup --full --from {} --out {}", self.source.display(), store.display());
         if self.layout == LAYOUT_IN_PLACE {
             c.push_str(" --in-place");
@@ -107,6 +110,9 @@ impl SetupRecord {
 pub const LAYOUT_IN_PLACE: &str = "in-place";
 /// Layout tag of stores with their own spine file and aligned expert packs.
 pub const LAYOUT_PACKS: &str = "packs";
+/// Layout tag of stores whose experts are fetched from a hub on first use (`hub_cache.rs`); the
+/// manifest cannot know their checksums, which the cache records as it publishes each one.
+pub const LAYOUT_STREAM: &str = "stream";
 
 /// Everything a store holds.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -257,7 +263,7 @@ impl Manifest {
     /// shape x dtype. `path` names the manifest in errors.
     pub fn validate(&self, cfg: &K3Config, store: &Path) -> Result<()> {
         let bad = |why: String| Error::BadStore { path: store.join("manifest.json"), why, advice: repair_advice(store) };
-        if self.layout != LAYOUT_PACKS && self.layout != LAYOUT_IN_PLACE {
+        if ![LAYOUT_PACKS, LAYOUT_IN_PLACE, LAYOUT_STREAM].contains(&self.layout.as_str()) {
             return Err(bad(format!("unknown layout {:?}", self.layout)));
         }
         if self.homes.is_empty() {
@@ -299,7 +305,8 @@ impl Manifest {
             if e.len != total as u64 {
                 return Err(bad(format!("{name} is {} bytes, experts of this config are {total}", e.len)));
             }
-            if !is_hex(&e.xxh3, 16) {
+            let unknown_ok = self.layout == LAYOUT_STREAM && e.xxh3.is_empty();
+            if !unknown_ok && !is_hex(&e.xxh3, 16) {
                 return Err(bad(format!("{name} has a malformed checksum {:?}", e.xxh3)));
             }
             if e.copies.is_empty() {

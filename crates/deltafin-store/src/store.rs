@@ -73,7 +73,9 @@ impl Store {
                 }
             }
         }
-        for e in &m.experts {
+        // A stream store's experts are fetched when first needed.
+        let experts = if m.layout == crate::manifest::LAYOUT_STREAM { &[][..] } else { &m.experts[..] };
+        for e in experts {
             let mut why = Vec::new();
             for c in &e.copies {
                 let p = m.copy_path(c);
@@ -177,7 +179,33 @@ impl Store {
 
     /// Starts streaming this store's experts.
     pub fn experts(&self, opts: ReaderOptions) -> Result<StreamingExperts> {
-        StreamingExperts::start(self.manifest.clone(), self.config.expert_shape(), opts, self.manifest.advice(&self.dir))
+        let (m, shape, advice) = (self.manifest.clone(), self.config.expert_shape(), self.manifest.advice(&self.dir));
+        if self.manifest.layout == crate::manifest::LAYOUT_STREAM {
+            let cache = self.hub_cache()?;
+            // Requests in flight to the hub (each its own connection).
+            let opts = ReaderOptions { queue_depth: opts.queue_depth.max(4), ..opts };
+            return StreamingExperts::start_with(m, shape, opts, advice, Box::new(cache));
+        }
+        StreamingExperts::start(m, shape, opts, advice)
+    }
+
+    /// The hub record of a stream store (`None` for other layouts).
+    pub fn hub_record(&self) -> Result<Option<crate::hub_cache::HubRecord>> {
+        if self.manifest.layout != crate::manifest::LAYOUT_STREAM {
+            return Ok(None);
+        }
+        let p = self.dir.join(crate::hub_cache::HUB_RECORD);
+        crate::manifest::read_sealed(&p).map(Some).map_err(|e| Error::BadStore {
+            path: p,
+            why: format!("{e:?}"),
+            advice: self.manifest.advice(&self.dir),
+        })
+    }
+
+    /// The expert cache of a stream store.
+    pub fn hub_cache(&self) -> Result<crate::hub_cache::HubCache> {
+        let record = self.hub_record()?.ok_or_else(|| Error::format(&self.dir, "not a stream store"))?;
+        crate::hub_cache::HubCache::open(&self.dir, &self.manifest, &record)
     }
 
     /// Persisted expert heat (demand counts per layer and expert), if any. Entries that name no

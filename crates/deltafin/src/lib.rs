@@ -40,7 +40,7 @@ pub use deltafin_sched::{
     Slot, Stats, Step, StepOutput, AUTO_DRAFT_DIR, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
 };
 pub use deltafin_spec::{Drafter, NgramDrafter};
-pub use deltafin_store::{DoctorReport, ExpertLayoutKind, HomeStats, NoProgress, Progress, SetupOptions, DEFAULT_SPLIT_MIN};
+pub use deltafin_store::{DoctorReport, ExpertLayoutKind, HomeStats, NoProgress, Progress, SetupOptions, StreamOptions, DEFAULT_SPLIT_MIN};
 
 /// What a store holds, as [`setup`] and [`repair`] leave it.
 #[derive(Clone, Debug)]
@@ -54,7 +54,7 @@ pub struct StoreInfo {
     pub expert_bytes: u64,
     /// Drives (homes) holding experts.
     pub homes: usize,
-    /// `packs` or `in-place`.
+    /// `packs`, `in-place` or `stream`.
     pub layout: String,
     /// Hash over the checksum of every installed byte: the identity of the weights.
     pub content_id: String,
@@ -77,6 +77,18 @@ impl StoreInfo {
 /// checkpoint with the same options).
 pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<StoreInfo> {
     Ok(StoreInfo::of(&deltafin_store::setup(opts, progress)?))
+}
+
+/// Sets up (or resumes) a stream store: the revision pinned, config, tokenizer and spine
+/// fetched now, experts fetched from the hub on first use (all of them with `opts.fill`).
+pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<StoreInfo> {
+    Ok(StoreInfo::of(&deltafin_store::setup_stream(opts, progress)?))
+}
+
+/// Fetches every expert a stream store has not cached yet (it then runs offline).
+pub fn fill(store: &Path, progress: &dyn Progress) -> Result<()> {
+    let s = deltafin_store::Store::open(store)?;
+    Ok(s.hub_cache()?.fill(progress)?)
 }
 
 /// Checks a store: structure, files and sizes; with `verify`, every byte against its checksum.

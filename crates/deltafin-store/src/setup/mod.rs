@@ -29,6 +29,9 @@ mod experts;
 mod readback;
 mod space;
 mod spine;
+mod stream;
+
+pub use stream::{setup_stream, StreamOptions};
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -176,7 +179,7 @@ fn crash_point(layers_done: usize) {
 }
 
 /// The plan record of a store in progress or finished.
-const SETUP_RECORD: &str = "setup.json";
+pub(crate) const SETUP_RECORD: &str = "setup.json";
 
 /// Everything a run of setup works from: what to install where, and what earlier runs recorded.
 pub(crate) struct Install<'a> {
@@ -192,6 +195,8 @@ pub(crate) struct Install<'a> {
     pub earlier_spine: HashMap<String, String>,
     pub earlier_experts: HashMap<(usize, usize), String>,
     pub src: LocalFiles,
+    /// Where an in-place spine's shards are read at run time (absolute).
+    pub spine_dir: PathBuf,
 }
 
 impl Install<'_> {
@@ -266,7 +271,8 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
     let pack_dirs = (0..homes.len()).map(|h| pack_dir_name(&record, h, homes.len())).collect();
     let earlier_spine = earlier.iter().flat_map(|m| m.spine.iter().map(|(n, t)| (n.clone(), t.xxh3.clone()))).collect();
     let earlier_experts = earlier.iter().flat_map(|m| m.experts.iter().map(|e| ((e.layer, e.expert), e.xxh3.clone()))).collect();
-    let plan = Install { ckpt: &ckpt, out, record, homes, pack_dirs, earlier_spine, earlier_experts, src: LocalFiles::new() };
+    let spine_dir = record.source.clone();
+    let plan = Install { ckpt: &ckpt, out, record, homes, pack_dirs, earlier_spine, earlier_experts, src: LocalFiles::new(), spine_dir };
     let mut home_locks = Vec::new();
     if opts.layout == ExpertLayoutKind::Packs {
         for (h, dir) in plan.homes.iter().zip(&plan.pack_dirs) {
@@ -297,11 +303,17 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
         layouts,
         experts,
     };
+    seal(&mut manifest, &ckpt, out)?;
+    Ok(manifest)
+}
+
+/// Fills in the manifest's derived fields (spine bytes, content id), checks it against the
+/// checkpoint's config and writes it: the last step of every install, after which the store opens.
+pub(crate) fn seal(manifest: &mut Manifest, ckpt: &Checkpoint, out: &Path) -> Result<()> {
     manifest.spine_bytes = Manifest::spine_placement(&manifest.spine).1;
     manifest.content_id = manifest.compute_content_id();
     manifest.validate(ckpt.config(), out)?;
-    manifest.write(out)?;
-    Ok(manifest)
+    manifest.write(out)
 }
 
 /// Folder under each home that holds pack folders.
@@ -317,7 +329,7 @@ fn pack_dir_name(record: &SetupRecord, h: usize, n: usize) -> String {
 /// Checks what the store holds (a finished manifest, or the record of a setup in progress)
 /// against this run. Returns the earlier manifest of the same plan (its checksums are the
 /// reference for bytes re-read from the checkpoint).
-fn previous(out: &Path, record: &SetupRecord, reinstall: bool) -> Result<Option<Manifest>> {
+pub(crate) fn previous(out: &Path, record: &SetupRecord, reinstall: bool) -> Result<Option<Manifest>> {
     let manifest = Manifest::read(out).ok();
     let in_progress = match read_sealed::<SetupRecord>(&out.join(SETUP_RECORD)) {
         Ok(r) => Some(r),
@@ -412,7 +424,7 @@ pub(crate) fn remove_if_present(p: &Path) -> Result<()> {
 }
 
 /// Copies config and tokenizer files into the store, returning their checksums.
-fn copy_small_files(plan: &Install) -> Result<BTreeMap<String, FileSum>> {
+pub(crate) fn copy_small_files(plan: &Install) -> Result<BTreeMap<String, FileSum>> {
     let mut files = BTreeMap::new();
     for f in STORE_FILES {
         let p = plan.ckpt.dir().join(f);

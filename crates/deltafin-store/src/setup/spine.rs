@@ -102,11 +102,11 @@ pub(super) fn write_spine_file(plan: &Install, progress: &dyn Progress) -> Resul
 
 /// Checksums the spine where it lies in the checkpoint's shards (nothing is copied). A re-run
 /// compares them with the sidecar's: the shards are the store, so a change is an error.
-pub(super) fn in_place_spine(plan: &Install, progress: &dyn Progress) -> Result<(Vec<PathBuf>, BTreeMap<String, SpineTensor>)> {
+pub(crate) fn in_place_spine(plan: &Install, progress: &dyn Progress) -> Result<(Vec<PathBuf>, BTreeMap<String, SpineTensor>)> {
     let ckpt = plan.ckpt;
     let side_path = plan.out.join("inplace-spine.json");
     let side: Option<SpineSidecar> = read_sealed(&side_path).ok().filter(|s: &SpineSidecar| s.source_id == plan.record.source_id);
-    let files: Vec<PathBuf> = ckpt.shards().iter().map(|p| plan.record.source.join(p.strip_prefix(ckpt.dir()).unwrap_or(p))).collect();
+    let files: Vec<PathBuf> = ckpt.shards().iter().map(|p| plan.spine_dir.join(p.strip_prefix(ckpt.dir()).unwrap_or(p))).collect();
     let names = spine_names(ckpt);
     let total: u64 = names.iter().map(|n| ckpt.tensors()[n].len).sum();
     progress.begin("spine", total);

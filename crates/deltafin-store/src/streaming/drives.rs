@@ -14,6 +14,12 @@ pub trait DriveIo: Send + Sync {
     /// Reads `[offset, offset + len)` of `path` on home `home` into `buf`, which covers the
     /// range's aligned window; returns where the wanted bytes start in `buf`.
     fn read(&self, home: usize, path: &Path, offset: u64, len: u64, buf: &mut [u8]) -> std::io::Result<usize>;
+    /// Whether every read is checked here already, for experts whose checksum the manifest cannot
+    /// know (a stream store's, learnt when fetched). Reads of experts the manifest has a checksum
+    /// for are checked against it whatever this says.
+    fn self_checked(&self) -> bool {
+        false
+    }
 }
 
 /// Local files, through the page cache or around it.

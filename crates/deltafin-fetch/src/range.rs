@@ -1,0 +1,217 @@
+//! One byte range of one file, exactly: redirects followed by hand (the signed URL they end at
+//! is reused until it expires or is refused), retries with backoff and jitter, `Retry-After`
+//! honoured, a body that stops resumed where it stopped, and nothing accepted but a `206` whose
+//! `Content-Range` and length are the ones asked for.
+
+use std::hash::{BuildHasher, Hasher};
+use std::io::Read;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::hub::{Hub, Priority};
+
+/// How hard to try.
+#[derive(Clone, Copy, Debug)]
+pub struct RetryPolicy {
+    /// Failed attempts before giving up (attempts that made progress are not counted).
+    pub attempts: u32,
+    /// First back-off; doubled per failure, with jitter.
+    pub base: Duration,
+    /// Longest wait, including a `Retry-After`.
+    pub max_wait: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy { attempts: 8, base: Duration::from_millis(250), max_wait: Duration::from_secs(60) }
+    }
+}
+
+/// Why one attempt failed.
+pub(crate) enum Attempt {
+    /// Worth another try (after the hub's `Retry-After`, if it gave one).
+    Retry(String, Option<Duration>),
+    /// Try again at once (a redirect was taken, a signed URL expired).
+    Again,
+    /// The body stopped after some bytes arrived: ask for the rest at once.
+    Resume,
+    /// Final.
+    Fail(Error),
+}
+
+/// Sends `req`, sorting failures into retryable and final.
+pub(crate) fn call(req: ureq::Request, url: &str) -> std::result::Result<ureq::Response, Attempt> {
+    match req.call() {
+        Ok(r) => Ok(r),
+        Err(ureq::Error::Status(code, r)) => {
+            if code == 429 || code == 408 || code >= 500 {
+                let after = r.header("Retry-After").and_then(|v| v.trim().parse::<u64>().ok()).map(Duration::from_secs);
+                Err(Attempt::Retry(format!("the hub answered {code}"), after))
+            } else {
+                Err(Attempt::Fail(Error::Status { url: url.into(), status: code }))
+            }
+        }
+        Err(ureq::Error::Transport(t)) => Err(Attempt::Retry(t.to_string(), None)),
+    }
+}
+
+/// A random factor in [0.5, 1.5) for back-off jitter.
+fn jitter() -> f64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    0.5 + (h.finish() % 10_000) as f64 / 10_000.0
+}
+
+/// `loc` made absolute against `base`.
+fn absolute(base: &str, loc: &str) -> String {
+    if loc.starts_with("http://") || loc.starts_with("https://") {
+        return loc.to_string();
+    }
+    let origin_end = base.find("://").map_or(0, |i| i + 3);
+    let host_end = base[origin_end..].find('/').map_or(base.len(), |i| origin_end + i);
+    format!("{}{}", &base[..host_end], if loc.starts_with('/') { loc.to_string() } else { format!("/{loc}") })
+}
+
+impl Hub {
+    /// Runs `f` until it succeeds, fails for good, or the retry policy runs out.
+    pub(crate) fn with_retries<T>(&self, url: &str, mut f: impl FnMut(u32) -> std::result::Result<T, Attempt>) -> Result<T> {
+        let policy = self.cfg.retry;
+        let (mut failures, mut hops) = (0u32, 0u32);
+        loop {
+            match f(failures) {
+                Ok(v) => return Ok(v),
+                Err(Attempt::Fail(e)) => return Err(e),
+                Err(Attempt::Resume) => {}
+                Err(Attempt::Again) => {
+                    hops += 1;
+                    if hops > 10 {
+                        return Err(Error::Protocol {
+                            url: url.into(),
+                            why: "more than 10 redirects or refused signed URLs in a row".into(),
+                        });
+                    }
+                }
+                Err(Attempt::Retry(why, after)) => {
+                    failures += 1;
+                    if failures >= policy.attempts {
+                        return Err(Error::GaveUp { url: url.into(), attempts: failures, last: why });
+                    }
+                    let backoff = policy.base.mul_f64(2f64.powi(failures as i32 - 1) * jitter());
+                    std::thread::sleep(after.unwrap_or(backoff).min(policy.max_wait));
+                }
+            }
+        }
+    }
+
+    /// Where to send a request for `file` now: its cached signed URL while fresh, else `resolve`.
+    fn target(&self, file: &str) -> String {
+        let signed = self.signed.lock().expect("poisoned");
+        match signed.get(file) {
+            Some((url, at)) if at.elapsed() < crate::hub::SIGNED_URL_TTL => url.clone(),
+            _ => self.resolve_url(file),
+        }
+    }
+
+    /// Reads `buf.len()` bytes of `file` from `offset`, exactly (see the module doc).
+    pub fn fetch_range(&self, file: &str, offset: u64, buf: &mut [u8], priority: Priority) -> Result<()> {
+        if self.cfg.offline {
+            return Err(Error::Offline { what: format!("{} bytes of {file} at {offset}", buf.len()) });
+        }
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let _slot = self.gate.enter(priority);
+        let resolve = self.resolve_url(file);
+        let mut got = 0usize;
+        let mut progress_retries = 0u32;
+        self.with_retries(&resolve, |_| {
+            let url = self.target(file);
+            let (start, end) = (offset + got as u64, offset + buf.len() as u64 - 1);
+            let mut req = self.agent.get(&url).set("Range", &format!("bytes={start}-{end}"));
+            if let (Some(t), true) = (&self.cfg.token, url.starts_with(&self.cfg.endpoint)) {
+                // The token goes to the hub only, never to the storage a redirect points at.
+                req = req.set("Authorization", &format!("Bearer {t}"));
+            }
+            let signed = url != resolve;
+            let resp = match call(req, &url) {
+                Err(Attempt::Fail(Error::Status { status: 401 | 403 | 404 | 410, .. })) if signed => {
+                    // An expired or refused signed URL: ask `resolve` for a new one.
+                    self.signed.lock().expect("poisoned").remove(file);
+                    return Err(Attempt::Again);
+                }
+                r => r?,
+            };
+            let status = resp.status();
+            if (300..400).contains(&status) {
+                let loc = resp
+                    .header("Location")
+                    .ok_or_else(|| Attempt::Fail(Error::Protocol { url: url.clone(), why: format!("a {status} without Location") }))?;
+                self.signed.lock().expect("poisoned").insert(file.to_string(), (absolute(&url, loc), Instant::now()));
+                return Err(Attempt::Again);
+            }
+            if status != 206 {
+                return Err(Attempt::Retry(format!("{url} answered {status} to a range request, not 206"), None));
+            }
+            let want_range = format!("bytes {start}-{end}/");
+            match resp.header("Content-Range") {
+                Some(cr) if cr.starts_with(&want_range) => {}
+                other => return Err(Attempt::Retry(format!("{url}: Content-Range {other:?}, asked for {want_range}*"), None)),
+            }
+            let want_len = end - start + 1;
+            match resp.header("Content-Length").map(|v| v.trim().parse::<u64>()) {
+                Some(Ok(n)) if n == want_len => {}
+                None => {}
+                other => return Err(Attempt::Retry(format!("{url}: Content-Length {other:?}, asked for {want_len}"), None)),
+            }
+            let mut body = resp.into_reader();
+            let before = got;
+            let mut cut = None;
+            while got < buf.len() {
+                match body.read(&mut buf[got..]) {
+                    Ok(0) => break,
+                    Ok(n) => got += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        cut = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+            if got == buf.len() {
+                return Ok(());
+            }
+            let why =
+                format!("{url}: the body stopped after {} of {want_len} bytes ({})", got - before, cut.as_deref().unwrap_or("closed"));
+            if got > before {
+                // A drop or a stall after progress: ask for the rest at once (bounded, so a
+                // link that trickles forever still ends).
+                progress_retries += 1;
+                if progress_retries <= 4 * self.cfg.retry.attempts {
+                    return Err(Attempt::Resume);
+                }
+                return Err(Attempt::Fail(Error::GaveUp { url: url.clone(), attempts: progress_retries, last: why }));
+            }
+            Err(Attempt::Retry(why, None))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redirect_targets_become_absolute() {
+        assert_eq!(absolute("http://h:1/a/b", "/c?x=1"), "http://h:1/c?x=1");
+        assert_eq!(absolute("http://h:1/a/b", "https://cdn/z"), "https://cdn/z");
+        assert_eq!(absolute("http://h", "c"), "http://h/c");
+    }
+
+    #[test]
+    fn jitter_stays_in_its_band() {
+        for _ in 0..100 {
+            let j = jitter();
+            assert!((0.5..1.5).contains(&j));
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! The experts of a stream store: fetched from the hub the first time they are read, published
+//! to a local cache only complete and checked, and evicted coldest-first under a disk budget.
+//!
+//! **Publishing.** A fetched expert is written to a temporary file, synced, and renamed into
+//! `deltafin-cache/SHARD/OFFSET.XXH3` (the directory synced too): the name carries the checksum
+//! of the bytes, so presence and checksum appear together, and a crash leaves either nothing or a
+//! whole expert. Every later read checks the file against its name; a damaged one is deleted and
+//! fetched again.
+//!
+//! **The hub's hashes.** The hub publishes one SHA-256 per shard, not per expert. A shard of at
+//! most [`WHOLE_SHARD_FETCH`] bytes is downloaded whole at setup and checked against its SHA-256
+//! (its experts then have checksums in the manifest and are read from it like a full store's).
+//! A larger shard's experts are published after the exact transport checks (status,
+//! `Content-Range`, length), and the shard is checked as soon as all its bytes are local: on a
+//! mismatch every cached expert of that shard is discarded and the run fails naming the shard
+//! (the next run fetches it again). Until then a wrong byte the hub serves inside an expert of a
+//! large shard cannot be told from a right one: the hub publishes nothing finer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use deltafin_fetch::{Hub, HubConfig, Priority as FetchPriority, RepoRef};
+use serde::{Deserialize, Serialize};
+use sha2::Digest as _;
+
+use crate::error::{Error, Result};
+use crate::manifest::{checksum, rename_synced, Manifest};
+use crate::reader::aligned_window;
+use crate::streaming::DriveIo;
+
+/// Folder of a stream store holding fetched experts.
+pub const CACHE_DIR: &str = "deltafin-cache";
+/// Folder of a stream store holding the repository's small files and shard skeletons (headers
+/// and spine bytes; the expert regions are sparse).
+pub const HUB_DIR: &str = "hub";
+/// Sealed record of where a stream store's bytes come from.
+pub const HUB_RECORD: &str = "hub.json";
+
+/// A shard of at most this many bytes is downloaded whole at setup and checked against its
+/// SHA-256 before anything of it is used.
+pub const WHOLE_SHARD_FETCH: u64 = 64 << 20;
+
+/// The home (index in the manifest) of experts read from whole, verified shards in [`HUB_DIR`].
+pub const WHOLE_SHARD_HOME: usize = 1;
+
+/// A file of the repository as the hub listed it at setup.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HubFile {
+    pub path: String,
+    pub size: u64,
+    pub sha256: Option<String>,
+    pub git_oid: Option<String>,
+}
+
+/// Where a stream store's bytes come from (`hub.json`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HubRecord {
+    pub endpoint: String,
+    pub repo: String,
+    pub commit: String,
+    pub files: Vec<HubFile>,
+    /// Bytes the expert cache may take on disk (`None`: no limit).
+    pub disk_budget: Option<u64>,
+}
+
+impl HubRecord {
+    /// Connects to the record's repository at its pinned commit (no request is made until bytes
+    /// are needed). `HF_ENDPOINT`, when set, overrides the endpoint recorded at setup.
+    pub fn connect(&self) -> Result<Hub> {
+        let mut cfg = HubConfig::from_env();
+        if std::env::var_os("HF_ENDPOINT").is_none() {
+            cfg.endpoint = self.endpoint.clone();
+        }
+        Hub::open(cfg, &RepoRef { repo: self.repo.clone(), revision: self.commit.clone() }).map_err(Error::from)
+    }
+}
+
+/// What the cache holds of one expert.
+struct Cached {
+    xxh3: String,
+    len: u64,
+    last_use: u64,
+}
+
+#[derive(Default)]
+struct CacheState {
+    entries: HashMap<(String, u64), Cached>,
+    bytes: u64,
+    clock: u64,
+}
+
+/// Counters of a stream cache.
+#[derive(Debug, Default)]
+pub struct HubCacheStats {
+    pub fetched_bytes: AtomicU64,
+    pub fetches: AtomicU64,
+    pub evicted: AtomicU64,
+    pub shards_verified: AtomicU64,
+    pub shard_mismatches: AtomicU64,
+}
+
+/// The stream store's expert cache: a [`DriveIo`] whose misses are fetched from the hub.
+pub struct HubCache {
+    dir: PathBuf,
+    skeleton: PathBuf,
+    hub: Hub,
+    files: HashMap<String, HubFile>,
+    /// Every expert span of each shard: offset -> length.
+    spans: HashMap<String, BTreeMap<u64, u64>>,
+    state: Mutex<CacheState>,
+    disk_budget: Option<u64>,
+    pub stats: HubCacheStats,
+    tmp_counter: AtomicU64,
+}
+
+fn other(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+impl HubCache {
+    /// Opens the cache of the stream store at `store` (scanning what earlier runs published and
+    /// removing temporary files a crash left).
+    pub fn open(store: &Path, manifest: &Manifest, record: &HubRecord) -> Result<HubCache> {
+        let dir = store.join(CACHE_DIR);
+        std::fs::create_dir_all(&dir).map_err(Error::io(&dir))?;
+        let mut spans: HashMap<String, BTreeMap<u64, u64>> = HashMap::new();
+        for e in &manifest.experts {
+            for c in e.copies.iter().filter(|c| c.home != WHOLE_SHARD_HOME) {
+                spans.entry(c.file.clone()).or_default().insert(c.offset, e.len);
+            }
+        }
+        let mut found: Vec<(SystemTime, String, u64, Cached)> = Vec::new();
+        for shard in spans.keys() {
+            let d = dir.join(shard);
+            let Ok(rd) = std::fs::read_dir(&d) else { continue };
+            for ent in rd.flatten() {
+                let name = ent.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".partial") {
+                    let _ = std::fs::remove_file(ent.path());
+                    continue;
+                }
+                let parsed = name.split_once('.').and_then(|(o, x)| Some((o.parse::<u64>().ok()?, x.to_string())));
+                let Some((offset, xxh3)) = parsed else { continue };
+                let Some(&len) = spans[shard].get(&offset) else {
+                    // Not an expert of this store (a hand-made file): leave it, never use it.
+                    continue;
+                };
+                let md = ent.metadata().map_err(Error::io(ent.path()))?;
+                if md.len() != len {
+                    let _ = std::fs::remove_file(ent.path());
+                    continue;
+                }
+                found.push((md.modified().unwrap_or(SystemTime::UNIX_EPOCH), shard.clone(), offset, Cached { xxh3, len, last_use: 0 }));
+            }
+        }
+        found.sort_by_key(|f| f.0);
+        let mut st = CacheState::default();
+        for (_, shard, offset, mut c) in found {
+            st.clock += 1;
+            c.last_use = st.clock;
+            st.bytes += c.len;
+            st.entries.insert((shard, offset), c);
+        }
+        Ok(HubCache {
+            dir,
+            skeleton: store.join(HUB_DIR),
+            hub: record.connect()?,
+            files: record.files.iter().map(|f| (f.path.clone(), f.clone())).collect(),
+            spans,
+            state: Mutex::new(st),
+            disk_budget: record.disk_budget,
+            stats: HubCacheStats::default(),
+            tmp_counter: AtomicU64::new(0),
+        })
+    }
+
+    fn expert_path(&self, shard: &str, offset: u64, xxh3: &str) -> PathBuf {
+        self.dir.join(shard).join(format!("{offset}.{xxh3}"))
+    }
+
+    /// Bytes of experts cached now, and how many.
+    pub fn cached(&self) -> (u64, usize) {
+        let st = self.state.lock().expect("poisoned");
+        (st.bytes, st.entries.len())
+    }
+
+    /// Whether the expert at `offset` of `shard` is cached.
+    pub fn contains(&self, shard: &str, offset: u64) -> bool {
+        self.state.lock().expect("poisoned").entries.contains_key(&(shard.to_string(), offset))
+    }
+
+    /// Reads the cached expert into `dst` if it is there and intact (a damaged file is deleted).
+    fn read_cached(&self, shard: &str, offset: u64, dst: &mut [u8]) -> bool {
+        let key = (shard.to_string(), offset);
+        let xxh3 = {
+            let mut st = self.state.lock().expect("poisoned");
+            st.clock += 1;
+            let clock = st.clock;
+            match st.entries.get_mut(&key) {
+                Some(c) => {
+                    c.last_use = clock;
+                    c.xxh3.clone()
+                }
+                None => return false,
+            }
+        };
+        let path = self.expert_path(shard, offset, &xxh3);
+        let ok = std::fs::File::open(&path).and_then(|mut f| {
+            f.read_exact(dst)?;
+            // The file's time is its recency across runs (eviction order).
+            let _ = f.set_modified(SystemTime::now());
+            Ok(())
+        });
+        if ok.is_ok() && checksum(dst) == xxh3 {
+            return true;
+        }
+        eprintln!("deltafin: cached expert {} is damaged; fetching it again", path.display());
+        self.forget(&key, &xxh3);
+        false
+    }
+
+    fn forget(&self, key: &(String, u64), xxh3: &str) {
+        let mut st = self.state.lock().expect("poisoned");
+        if let Some(c) = st.entries.remove(key) {
+            st.bytes -= c.len;
+        }
+        let _ = std::fs::remove_file(self.expert_path(&key.0, key.1, xxh3));
+    }
+
+    /// Publishes `bytes` as the expert at `offset` of `shard` (see the module doc).
+    fn publish(&self, shard: &str, offset: u64, bytes: &[u8]) -> Result<()> {
+        let d = self.dir.join(shard);
+        std::fs::create_dir_all(&d).map_err(Error::io(&d))?;
+        let sum = checksum(bytes);
+        let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
+        let tmp = d.join(format!("{offset}.{}.{n}.partial", std::process::id()));
+        let written = std::fs::File::create(&tmp).and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        });
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(Error::Io {
+                path: tmp,
+                source: std::io::Error::new(e.kind(), format!("{e} (caching a fetched expert; free space or lower --disk-budget)")),
+            });
+        }
+        rename_synced(&tmp, &self.expert_path(shard, offset, &sum))?;
+        let key = (shard.to_string(), offset);
+        let mut st = self.state.lock().expect("poisoned");
+        st.clock += 1;
+        let clock = st.clock;
+        if st.entries.insert(key.clone(), Cached { xxh3: sum, len: bytes.len() as u64, last_use: clock }).is_none() {
+            st.bytes += bytes.len() as u64;
+        }
+        // Coldest first, never the expert just published.
+        while let Some(budget) = self.disk_budget {
+            if st.bytes <= budget {
+                break;
+            }
+            let Some(victim) = st.entries.iter().filter(|(k, _)| **k != key).min_by_key(|(_, c)| c.last_use).map(|(k, _)| k.clone()) else {
+                break;
+            };
+            let c = st.entries.remove(&victim).expect("present");
+            st.bytes -= c.len;
+            let _ = std::fs::remove_file(self.expert_path(&victim.0, victim.1, &c.xxh3));
+            self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Missing expert spans of `shard`.
+    fn missing(&self, shard: &str) -> Vec<(u64, u64)> {
+        let st = self.state.lock().expect("poisoned");
+        self.spans[shard].iter().filter(|(o, _)| !st.entries.contains_key(&(shard.to_string(), **o))).map(|(o, l)| (*o, *l)).collect()
+    }
+
+    /// SHA-256 of `shard` as local bytes make it: experts from the cache, the rest (header,
+    /// spine) from the skeleton.
+    fn shard_sha256(&self, shard: &str) -> Result<String> {
+        let size = self.files.get(shard).map_or(0, |f| f.size);
+        let skel_path = self.skeleton.join(shard);
+        let mut skel = std::fs::File::open(&skel_path).map_err(Error::io(&skel_path))?;
+        let mut h = sha2::Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut pos = 0u64;
+        let mut copy_skeleton = |h: &mut sha2::Sha256, from: u64, to: u64| -> Result<()> {
+            use std::os::unix::fs::FileExt;
+            let mut at = from;
+            while at < to {
+                let n = (to - at).min(buf.len() as u64) as usize;
+                skel.read_exact_at(&mut buf[..n], at).map_err(Error::io(&skel_path))?;
+                h.update(&buf[..n]);
+                at += n as u64;
+            }
+            let _ = &mut skel;
+            Ok(())
+        };
+        for (&off, &len) in &self.spans[shard] {
+            copy_skeleton(&mut h, pos, off)?;
+            let mut b = vec![0u8; len as usize];
+            if !self.read_cached(shard, off, &mut b) {
+                return Err(Error::format(
+                    self.dir.join(shard),
+                    format!("expert at offset {off} went missing while the shard was checked"),
+                ));
+            }
+            h.update(&b);
+            pos = off + len;
+        }
+        copy_skeleton(&mut h, pos, size)?;
+        Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Checks `shard` against the hub's SHA-256.
+    fn verify_shard(&self, shard: &str) -> Result<()> {
+        let Some(want) = self.files.get(shard).and_then(|f| f.sha256.clone()) else { return Ok(()) };
+        let got = self.shard_sha256(shard)?;
+        self.stats.shards_verified.fetch_add(1, Ordering::Relaxed);
+        if got == want.to_ascii_lowercase() {
+            return Ok(());
+        }
+        self.stats.shard_mismatches.fetch_add(1, Ordering::Relaxed);
+        // Nothing of a shard that fails its hash stays.
+        let keys: Vec<(String, u64, String)> = {
+            let st = self.state.lock().expect("poisoned");
+            st.entries.iter().filter(|(k, _)| k.0 == shard).map(|(k, c)| (k.0.clone(), k.1, c.xxh3.clone())).collect()
+        };
+        for (s, o, x) in keys {
+            self.forget(&(s, o), &x);
+        }
+        Err(Error::format(
+            self.skeleton.join(shard),
+            format!(
+                "the bytes fetched for this shard hash to SHA-256 {got}, the hub published {want}; they were discarded and will be fetched again on next use (if this repeats, the hub or a proxy serves wrong bytes)"
+            ),
+        ))
+    }
+
+    /// Fetches the expert at `offset` of `shard` into `dst` and publishes it; checks the shard
+    /// once all its bytes are local.
+    pub fn fetch(&self, shard: &str, offset: u64, dst: &mut [u8], priority: FetchPriority) -> Result<()> {
+        self.hub.fetch_range(shard, offset, dst, priority)?;
+        self.stats.fetches.fetch_add(1, Ordering::Relaxed);
+        self.stats.fetched_bytes.fetch_add(dst.len() as u64, Ordering::Relaxed);
+        self.publish(shard, offset, dst)?;
+        if self.missing(shard).is_empty() {
+            self.verify_shard(shard)?;
+        }
+        Ok(())
+    }
+
+    /// Fetches every expert not cached yet (a stream store becomes a full one), reporting bytes
+    /// as they arrive.
+    pub fn fill(&self, progress: &dyn crate::setup::Progress) -> Result<()> {
+        let mut todo: Vec<(String, u64, u64)> =
+            self.spans.keys().flat_map(|s| self.missing(s).into_iter().map(move |(o, l)| (s.clone(), o, l))).collect();
+        todo.sort();
+        progress.begin("fill", todo.iter().map(|t| t.2).sum());
+        let mut buf = Vec::new();
+        for (shard, offset, len) in todo {
+            if !self.contains(&shard, offset) {
+                buf.resize(len as usize, 0);
+                self.fetch(&shard, offset, &mut buf, FetchPriority::Background)?;
+            }
+            progress.advance(len);
+        }
+        progress.end();
+        Ok(())
+    }
+}
+
+impl DriveIo for HubCache {
+    fn read(&self, home: usize, path: &Path, offset: u64, len: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        if home == WHOLE_SHARD_HOME {
+            // A verified whole shard: read like a full store's file (the manifest has checksums).
+            let (file, _) = crate::reader::open_for_read(path, crate::reader::CacheMode::Buffered)?;
+            return crate::reader::read_aligned(&file, offset, len, buf);
+        }
+        let shard = path.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| other("no shard name"))?;
+        let (start, _) = aligned_window(offset, len);
+        let at = (offset - start) as usize;
+        let dst = &mut buf[at..at + len as usize];
+        if !self.read_cached(&shard, offset, dst) {
+            self.fetch(&shard, offset, dst, FetchPriority::Demand).map_err(other)?;
+        }
+        Ok(at)
+    }
+
+    fn self_checked(&self) -> bool {
+        // A cached expert is checked against the checksum in its name, a fetched one published
+        // with the checksum of exactly the bytes handed back.
+        true
+    }
+}

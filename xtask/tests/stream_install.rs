@@ -1,0 +1,195 @@
+//! Stream install against a loopback hub (`xtask::hub_emulator`) serving the tiny fixture in the
+//! hub's URL layout: every run gives the ids of a full install or a clear error through dropped
+//! bodies, wrong ranges, 200s, 5xx, 429s and stalls; no byte that fails the hub's hash is used;
+//! a killed setup resumes; the disk budget holds.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use deltafin_fetch::HubConfig;
+use deltafin_sched::{EngineBuilder, GenerateOptions};
+use deltafin_store::{setup_stream, NoProgress, StreamOptions, CACHE_DIR};
+use xtask::hub_emulator::HubEmulator;
+
+const REPO: &str = "moonshotai/Kimi-K3-tiny";
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-k3-dev/checkpoint")
+}
+
+/// A byte inside the first expert of `shard` (of the fixture).
+fn inside_an_expert(shard: &str) -> u64 {
+    let ckpt = deltafin_store::Checkpoint::open(&fixture()).unwrap();
+    let moe = ckpt.config().moe_layers();
+    moe.iter()
+        .flat_map(|&l| ckpt.expert_spans(l).unwrap().1)
+        .find(|s| s.file.file_name().unwrap().to_string_lossy() == shard)
+        .map(|s| s.offset + 100)
+        .expect("an expert in that shard")
+}
+
+fn prompt() -> Vec<u32> {
+    (0..12).map(|i| (i * 71 + 5) % 1000).collect()
+}
+
+fn ids(model: &Path, budget: Option<u64>) -> Result<Vec<u32>, String> {
+    let m = EngineBuilder::new(model).ram_budget(budget).open().map_err(|e| e.to_string())?;
+    let mut seq = m.new_sequence();
+    let mut out = Vec::new();
+    m.engine()
+        .generate(&mut seq, &prompt(), &GenerateOptions::new(8), |t| {
+            out.push(t);
+            true
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+/// Options for `hub` with quick retries and a short stall limit.
+fn options(hub: &HubEmulator, out: &Path, whole_shard_max: u64) -> StreamOptions {
+    let mut o = StreamOptions::new(format!("hf://{REPO}"), out);
+    let mut cfg = HubConfig::from_env();
+    cfg.endpoint = hub.endpoint.clone();
+    cfg.offline = false;
+    cfg.stall = Duration::from_millis(500);
+    cfg.retry.base = Duration::from_millis(10);
+    o.hub = cfg;
+    o.whole_shard_max = whole_shard_max;
+    o
+}
+
+fn cached_files(store: &Path) -> usize {
+    walk(&store.join(CACHE_DIR)).iter().filter(|p| !p.to_string_lossy().ends_with(".partial")).count()
+}
+
+fn walk(d: &Path) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(d).into_iter().flatten().flatten() {
+        if e.file_type().unwrap().is_dir() {
+            v.extend(walk(&e.path()));
+        } else {
+            v.push(e.path());
+        }
+    }
+    v
+}
+
+#[test]
+fn streamed_experts_give_the_ids_of_a_full_install_through_faults() {
+    let want = ids(&fixture(), None).unwrap();
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // Large-shard mode everywhere: experts are fetched one by one at run time.
+    for (name, whole) in [("per-expert", 0u64), ("whole-shards", u64::MAX)] {
+        let store = tmp.path().join(name);
+        hub.faults(|f| {
+            f.drop_mid_body = 2;
+            f.wrong_content_range = 1;
+            f.full_200 = 1;
+            f.server_error = 2;
+            f.too_many_requests = 1;
+            f.stall = 1;
+            f.stall_for = Duration::from_secs(2);
+        });
+        setup_stream(&options(&hub, &store, whole), &NoProgress).unwrap();
+        assert_eq!(cached_files(&store), 0, "{name}: no expert is fetched at setup");
+        hub.faults(|f| {
+            f.drop_mid_body = 3;
+            f.server_error = 1;
+            f.wrong_content_range = 1;
+            f.full_200 = 1;
+        });
+        assert_eq!(ids(&store, Some(64 << 20)).unwrap(), want, "{name}: first (cold) run");
+        let fetched = cached_files(&store);
+        assert!(whole > 0 || fetched > 0, "{name}: experts were cached");
+        // Warm: nothing more is fetched.
+        let before = hub.stats().range_requests.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(ids(&store, Some(64 << 20)).unwrap(), want, "{name}: warm run");
+        assert_eq!(hub.stats().range_requests.load(std::sync::atomic::Ordering::Relaxed), before, "{name}: a warm run fetched");
+    }
+}
+
+#[test]
+fn a_corrupt_small_shard_is_refused_at_setup_and_refetched_on_the_next_run() {
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    hub.faults(|f| {
+        f.corrupt.insert("model-00001-of-000004.safetensors".into(), inside_an_expert("model-00001-of-000004.safetensors"));
+    });
+    let err = setup_stream(&options(&hub, &store, u64::MAX), &NoProgress).unwrap_err().to_string();
+    assert!(err.contains("model-00001-of-000004.safetensors") && err.contains("SHA-256"), "{err}");
+    assert!(EngineBuilder::new(&store).open().is_err(), "an unfinished store does not open");
+    hub.faults(|f| f.corrupt.clear());
+    setup_stream(&options(&hub, &store, u64::MAX), &NoProgress).unwrap();
+    assert_eq!(ids(&store, None).unwrap(), ids(&fixture(), None).unwrap());
+}
+
+#[test]
+fn a_corrupt_large_shard_is_caught_when_it_completes_and_nothing_of_it_stays() {
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    setup_stream(&options(&hub, &store, 0), &NoProgress).unwrap();
+    hub.faults(|f| {
+        f.corrupt.insert("model-00002-of-000004.safetensors".into(), inside_an_expert("model-00002-of-000004.safetensors"));
+    });
+    let err = deltafin_store::Store::open(&store).unwrap().hub_cache().unwrap().fill(&NoProgress).unwrap_err().to_string();
+    assert!(err.contains("model-00002-of-000004.safetensors") && err.contains("SHA-256"), "{err}");
+    let left = walk(&store.join(CACHE_DIR).join("model-00002-of-000004.safetensors"));
+    assert!(left.is_empty(), "experts of the failed shard stayed: {left:?}");
+    // Served right, the fill completes and the store gives the full install's ids offline.
+    hub.faults(|f| f.corrupt.clear());
+    let cache = deltafin_store::Store::open(&store).unwrap().hub_cache().unwrap();
+    cache.fill(&NoProgress).unwrap();
+    assert!(cache.stats.shards_verified.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    drop(hub);
+    assert_eq!(ids(&store, None).unwrap(), ids(&fixture(), None).unwrap(), "a filled store runs with the hub gone");
+}
+
+#[test]
+fn the_disk_budget_holds_and_evicted_experts_come_back() {
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    let mut o = options(&hub, &store, 0);
+    let expert = deltafin_store::Store::open(&{
+        setup_stream(&o, &NoProgress).unwrap();
+        store.clone()
+    })
+    .unwrap()
+    .config()
+    .expert_shape()
+    .total_bytes() as u64;
+    // Room for five experts on disk.
+    o.disk_budget = Some(5 * expert);
+    o.reinstall = false;
+    std::fs::remove_dir_all(&store).unwrap();
+    setup_stream(&o, &NoProgress).unwrap();
+    let want = ids(&fixture(), None).unwrap();
+    for _ in 0..2 {
+        assert_eq!(ids(&store, Some(64 << 20)).unwrap(), want);
+        let bytes: u64 = walk(&store.join(CACHE_DIR)).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
+        assert!(bytes <= 5 * expert, "the cache holds {bytes} bytes, budget {}", 5 * expert);
+    }
+}
+
+#[test]
+fn a_killed_setup_resumes_and_a_signed_url_that_expires_is_renewed() {
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    // Every body is cut: setup gives up with a clear error, leaving partial files behind.
+    hub.faults(|f| f.server_error = 1000);
+    let mut o = options(&hub, &store, 0);
+    o.hub.retry.attempts = 3;
+    let err = setup_stream(&o, &NoProgress).unwrap_err().to_string();
+    assert!(err.contains("gave up after 3 attempts") && err.contains("503"), "{err}");
+    hub.faults(|f| {
+        f.server_error = 0;
+        f.signed_uses = Some(2);
+    });
+    setup_stream(&options(&hub, &store, 0), &NoProgress).unwrap();
+    assert_eq!(ids(&store, Some(64 << 20)).unwrap(), ids(&fixture(), None).unwrap());
+    assert!(hub.stats().resolves.load(std::sync::atomic::Ordering::Relaxed) > 2, "expired signed URLs were renewed");
+}
