@@ -33,8 +33,11 @@ pub struct Faults {
     /// Files served with the byte at this offset flipped (their published SHA-256 is of the
     /// true bytes).
     pub corrupt: HashMap<String, u64>,
-    /// Bytes per second per connection (0: unlimited).
+    /// Bytes per second per connection (0: unlimited): the hub throttles each connection.
     pub rate: u64,
+    /// Bytes per second over all connections together (0: unlimited): the user's link. Time
+    /// with nothing sent is lost, as on a real link.
+    pub link_rate: u64,
     /// Refuse (403) signed URLs older than this many uses, forcing a new `resolve`.
     pub signed_uses: Option<u64>,
 }
@@ -56,6 +59,8 @@ struct Shared {
     stats: HubStats,
     signed: Mutex<HashMap<String, u64>>,
     stop: AtomicBool,
+    /// When the link is next free (see [`Faults::link_rate`]).
+    link_free: Mutex<Instant>,
 }
 
 /// A running loopback hub (stopped on drop).
@@ -94,6 +99,7 @@ impl HubEmulator {
             stats: HubStats::default(),
             signed: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
+            link_free: Mutex::new(Instant::now()),
         });
         let s = shared.clone();
         listener.set_nonblocking(true)?;
@@ -302,11 +308,22 @@ fn handle(s: &Shared, c: &mut TcpStream, req: &Request) -> std::io::Result<bool>
     let start = Instant::now();
     let mut sent = 0usize;
     for chunk in bytes.chunks(64 << 10) {
+        // The chunk takes the link's next slot; it is sent, and the connection waits out the
+        // later of its slot's end and its own rate.
+        let link_due = (faults.link_rate > 0).then(|| {
+            let mut free = s.link_free.lock().expect("poisoned");
+            let at = (*free).max(Instant::now());
+            *free = at + Duration::from_secs_f64(chunk.len() as f64 / faults.link_rate as f64);
+            *free
+        });
         c.write_all(chunk)?;
         sent += chunk.len();
         if faults.rate > 0 {
-            let due = Duration::from_secs_f64(sent as f64 / faults.rate as f64);
-            std::thread::sleep(due.saturating_sub(start.elapsed()));
+            let due = start + Duration::from_secs_f64(sent as f64 / faults.rate as f64);
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        }
+        if let Some(due) = link_due {
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
     }
     s.stats.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);

@@ -193,3 +193,23 @@ fn a_killed_setup_resumes_and_a_signed_url_that_expires_is_renewed() {
     assert_eq!(ids(&store, Some(64 << 20)).unwrap(), ids(&fixture(), None).unwrap());
     assert!(hub.stats().resolves.load(std::sync::atomic::Ordering::Relaxed) > 2, "expired signed URLs were renewed");
 }
+
+#[test]
+fn every_shard_of_a_generated_checkpoint_verifies_once_filled() {
+    // Generated weights everywhere, the vision tower included: the skeletons must hold every
+    // byte that is not an expert's, or no shard could match its SHA-256.
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    xtask::gen_k3::generate("tiny", 3, &ckpt).unwrap();
+    let hub = HubEmulator::start(&ckpt, REPO).unwrap();
+    let store = tmp.path().join("s");
+    setup_stream(&options(&hub, &store, 0), &NoProgress).unwrap();
+    let cache = deltafin_store::Store::open(&store).unwrap().hub_cache().unwrap();
+    let shards: std::collections::BTreeSet<String> = cache.streamed().into_iter().map(|e| e.0).collect();
+    cache.fill(&NoProgress).unwrap();
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(cache.stats.shards_verified.load(Relaxed), shards.len() as u64);
+    assert_eq!(cache.stats.shard_mismatches.load(Relaxed), 0);
+    drop(cache);
+    assert_eq!(ids(&store, None).unwrap(), ids(&ckpt, None).unwrap());
+}

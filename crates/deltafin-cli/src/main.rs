@@ -5,6 +5,7 @@ mod run;
 mod serve;
 mod stats_json;
 mod store_cmds;
+mod warm;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -32,6 +33,8 @@ enum Cmd {
     Chat(serve::ChatArgs),
     /// Run an OpenAI Batch API file (JSONL) to completion, requests in lockstep; resumable.
     Batch(batch::BatchArgs),
+    /// Fetch into a stream store every expert a workload's prompts route, ahead of the workload.
+    Warm(warm::WarmArgs),
 }
 
 fn main() {
@@ -44,6 +47,7 @@ fn main() {
         Cmd::Serve(a) => serve::run_serve(a),
         Cmd::Chat(a) => serve::run_chat(a),
         Cmd::Batch(a) => batch::run_batch(a),
+        Cmd::Warm(a) => warm::run_warm(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -70,3 +70,74 @@ fn a_stream_store_runs_fetches_on_use_and_fills() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), REFERENCE_GREEDY);
 }
+
+/// Kills `cmd` once it has run for `after`, and waits for it.
+fn kill_after(cmd: &mut std::process::Command, after: std::time::Duration) -> bool {
+    let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    std::thread::sleep(after);
+    let running = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    running
+}
+
+#[test]
+fn killed_setup_and_run_resume_and_warm_fetches_what_a_workload_routes() {
+    let hub = HubEmulator::start(&fixture(), "moonshotai/Kimi-K3-tiny").unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let setup = || {
+        let mut c = bin();
+        c.args(["setup", "--stream", "--from", "hf://moonshotai/Kimi-K3-tiny@main", "--whole-shard-max", "0", "--out"])
+            .arg(&store)
+            .env("HF_ENDPOINT", &hub.endpoint)
+            .env_remove("HF_HUB_OFFLINE");
+        c
+    };
+    let run = |offline: bool| {
+        let mut c = bin();
+        c.args(["run", "--model"]).arg(&store).args(["--prompt", PROMPT_TEXT, "--max-new", "16", "--print-ids", "--ram-budget", "64M"]);
+        c.env("HF_ENDPOINT", &hub.endpoint);
+        if offline {
+            c.env("HF_HUB_OFFLINE", "1");
+        } else {
+            c.env_remove("HF_HUB_OFFLINE");
+        }
+        c
+    };
+    // Slow enough that the kill lands mid-transfer.
+    hub.faults(|f| f.rate = 200_000);
+    assert!(kill_after(&mut setup(), std::time::Duration::from_millis(1500)), "setup finished before it could be killed");
+    hub.faults(|f| f.rate = 0);
+    ok(&mut setup());
+    hub.faults(|f| f.rate = 100_000);
+    assert!(kill_after(&mut run(false), std::time::Duration::from_millis(1500)), "the run finished before it could be killed");
+    hub.faults(|f| f.rate = 0);
+    let first = ok(&mut run(false));
+    // A plain full install of the same checkpoint gives the same ids.
+    let full = tmp.path().join("full");
+    ok(bin().args(["setup", "--full", "--from"]).arg(fixture()).arg("--out").arg(&full));
+    let want = ok(bin().args(["run", "--model"]).arg(&full).args(["--prompt", PROMPT_TEXT, "--max-new", "16", "--print-ids"]));
+    assert_eq!(first, want);
+
+    // A second, fresh store warmed with a workload's prompt then runs that workload offline.
+    std::fs::remove_dir_all(&store).unwrap();
+    ok(&mut setup());
+    let prompts = tmp.path().join("prompts.txt");
+    std::fs::write(&prompts, format!("\n{PROMPT_TEXT}\n\n")).unwrap();
+    let o = bin()
+        .args(["warm", "--model"])
+        .arg(&store)
+        .args(["--max-new", "16", "--prompts"])
+        .arg(&prompts)
+        .env("HF_ENDPOINT", &hub.endpoint)
+        .env_remove("HF_HUB_OFFLINE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("1 prompts") && err.contains("now cached"), "{err}");
+    assert_eq!(ok(&mut run(true)), want);
+    // Warm refuses a full store, saying why.
+    let o = bin().args(["warm", "--model"]).arg(&full).arg("--prompts").arg(&prompts).output().unwrap();
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("not a stream store"));
+}

@@ -19,7 +19,7 @@ pub struct HubConfig {
     pub token: Option<String>,
     /// `HF_HUB_OFFLINE` set to 1/true/yes: nothing is fetched.
     pub offline: bool,
-    /// Connections (requests in flight) at most.
+    /// Connections (requests in flight) at most: `DELTAFIN_HUB_CONNECTIONS`, default 8.
     pub connections: usize,
     /// A request whose body stops for this long is cut off and resumed.
     pub stall: Duration,
@@ -44,7 +44,8 @@ impl HubConfig {
             endpoint: var("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".into()).trim_end_matches('/').to_string(),
             token,
             offline,
-            connections: 8,
+            // Hubs throttle each connection: several keep-alive connections reach the link's rate.
+            connections: var("DELTAFIN_HUB_CONNECTIONS").and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0).unwrap_or(8).min(64),
             stall: Duration::from_secs(30),
             retry: RetryPolicy::default(),
         }
@@ -175,6 +176,11 @@ impl Hub {
     /// The repository, `OWNER/REPO`.
     pub fn repo(&self) -> &str {
         &self.repo
+    }
+
+    /// Requests this hub keeps in flight at most (one connection each).
+    pub fn connections(&self) -> usize {
+        self.cfg.connections
     }
 
     /// Whether nothing may be fetched.

@@ -47,6 +47,53 @@ pub const WHOLE_SHARD_FETCH: u64 = 64 << 20;
 /// The home (index in the manifest) of experts read from whole, verified shards in [`HUB_DIR`].
 pub const WHOLE_SHARD_HOME: usize = 1;
 
+/// Adjacent missing experts of one shard fetched in one range request: at most this many...
+pub const RUN_EXPERTS_MAX: usize = 32;
+/// ...and at most this many bytes (the hub's CDN serves 64 MiB ranges well).
+pub const RUN_BYTES_MAX: u64 = 64 << 20;
+/// Experts this close in their shard still join one run (the bytes between are fetched and
+/// dropped: a header or spine tensor in between costs less than another request).
+const RUN_GAP_MAX: u64 = 64 << 10;
+
+/// Adjacent experts of one shard, fetched as one range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Run {
+    shard: String,
+    /// `(offset, len)` of each expert, ascending.
+    experts: Vec<(u64, u64)>,
+}
+
+impl Run {
+    fn start(&self) -> u64 {
+        self.experts[0].0
+    }
+    fn end(&self) -> u64 {
+        self.experts.last().map_or(0, |(o, l)| o + l)
+    }
+}
+
+/// Groups `(shard, offset, len)` experts into runs (see [`RUN_EXPERTS_MAX`]).
+fn coalesce(mut want: Vec<(String, u64, u64)>) -> Vec<Run> {
+    want.sort();
+    want.dedup();
+    let mut runs: Vec<Run> = Vec::new();
+    for (shard, off, len) in want {
+        if let Some(r) = runs.last_mut() {
+            let fits = r.shard == shard
+                && off >= r.end()
+                && off - r.end() <= RUN_GAP_MAX
+                && r.experts.len() < RUN_EXPERTS_MAX
+                && off + len - r.start() <= RUN_BYTES_MAX;
+            if fits {
+                r.experts.push((off, len));
+                continue;
+            }
+        }
+        runs.push(Run { shard, experts: vec![(off, len)] });
+    }
+    runs
+}
+
 /// A file of the repository as the hub listed it at setup.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct HubFile {
@@ -180,6 +227,13 @@ impl HubCache {
 
     fn expert_path(&self, shard: &str, offset: u64, xxh3: &str) -> PathBuf {
         self.dir.join(shard).join(format!("{offset}.{xxh3}"))
+    }
+
+    /// Every expert this cache streams, as `(shard, offset, len)`, in shard order.
+    pub fn streamed(&self) -> Vec<(String, u64, u64)> {
+        let mut v: Vec<_> = self.spans.iter().flat_map(|(s, m)| m.iter().map(move |(o, l)| (s.clone(), *o, *l))).collect();
+        v.sort();
+        v
     }
 
     /// Bytes of experts cached now, and how many.
@@ -354,23 +408,78 @@ impl HubCache {
         Ok(())
     }
 
-    /// Fetches every expert not cached yet (a stream store becomes a full one), reporting bytes
-    /// as they arrive.
-    pub fn fill(&self, progress: &dyn crate::setup::Progress) -> Result<()> {
-        let mut todo: Vec<(String, u64, u64)> =
-            self.spans.keys().flat_map(|s| self.missing(s).into_iter().map(move |(o, l)| (s.clone(), o, l))).collect();
-        todo.sort();
-        progress.begin("fill", todo.iter().map(|t| t.2).sum());
-        let mut buf = Vec::new();
-        for (shard, offset, len) in todo {
-            if !self.contains(&shard, offset) {
-                buf.resize(len as usize, 0);
-                self.fetch(&shard, offset, &mut buf, FetchPriority::Background)?;
-            }
-            progress.advance(len);
+    /// Fetches one run as one range and publishes each of its experts.
+    fn fetch_run(&self, run: &Run, buf: &mut Vec<u8>, priority: FetchPriority) -> Result<()> {
+        let (start, end) = (run.start(), run.end());
+        buf.resize((end - start) as usize, 0);
+        self.hub.fetch_range(&run.shard, start, buf, priority)?;
+        self.stats.fetches.fetch_add(1, Ordering::Relaxed);
+        self.stats.fetched_bytes.fetch_add(end - start, Ordering::Relaxed);
+        for &(off, len) in &run.experts {
+            let at = (off - start) as usize;
+            self.publish(&run.shard, off, &buf[at..at + len as usize])?;
         }
-        progress.end();
+        if self.missing(&run.shard).is_empty() {
+            self.verify_shard(&run.shard)?;
+        }
         Ok(())
+    }
+
+    /// Fetches those of `want` (`(shard, offset, len)` of experts of this store) not cached yet:
+    /// adjacent ones coalesced into runs, the runs spread over the hub's connections. `progress`
+    /// gets a phase of the missing bytes. The first error stops the rest and is returned (what
+    /// was published before it stays: each expert is whole and checked on its own).
+    pub fn fetch_many(
+        &self,
+        want: Vec<(String, u64, u64)>,
+        priority: FetchPriority,
+        phase: &str,
+        progress: &dyn crate::setup::Progress,
+    ) -> Result<()> {
+        let want: Vec<_> = want.into_iter().filter(|(s, o, _)| self.spans.contains_key(s) && !self.contains(s, *o)).collect();
+        progress.begin(phase, want.iter().map(|t| t.2).sum());
+        let runs = std::sync::Mutex::new(std::collections::VecDeque::from(coalesce(want)));
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        let (tx, rx) = std::sync::mpsc::channel::<u64>();
+        std::thread::scope(|scope| {
+            for _ in 0..self.hub.connections().max(1) {
+                let tx = tx.clone();
+                let (runs, failed, first_error) = (&runs, &failed, &first_error);
+                scope.spawn(move || {
+                    let mut buf = Vec::new();
+                    while !failed.load(Ordering::Relaxed) {
+                        let Some(run) = runs.lock().expect("poisoned").pop_front() else { break };
+                        match self.fetch_run(&run, &mut buf, priority) {
+                            Ok(()) => {
+                                let _ = tx.send(run.experts.iter().map(|e| e.1).sum());
+                            }
+                            Err(e) => {
+                                failed.store(true, Ordering::Relaxed);
+                                first_error.lock().expect("poisoned").get_or_insert(e);
+                            }
+                        }
+                    }
+                });
+            }
+            drop(tx);
+            for bytes in rx {
+                progress.advance(bytes);
+            }
+        });
+        progress.end();
+        match first_error.into_inner().expect("poisoned") {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Fetches every expert not cached yet (a stream store becomes a full one) at background
+    /// priority, so demand reads of a running engine go first.
+    pub fn fill(&self, progress: &dyn crate::setup::Progress) -> Result<()> {
+        let todo: Vec<(String, u64, u64)> =
+            self.spans.keys().flat_map(|s| self.missing(s).into_iter().map(move |(o, l)| (s.clone(), o, l))).collect();
+        self.fetch_many(todo, FetchPriority::Background, "fill", progress)
     }
 }
 
@@ -395,5 +504,26 @@ impl DriveIo for HubCache {
         // A cached expert is checked against the checksum in its name, a fetched one published
         // with the checksum of exactly the bytes handed back.
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(s: &str, o: u64, l: u64) -> (String, u64, u64) {
+        (s.to_string(), o, l)
+    }
+
+    #[test]
+    fn runs_join_adjacent_experts_of_one_shard_within_limits() {
+        let runs = coalesce(vec![e("b", 0, 10), e("a", 20, 10), e("a", 10, 10), e("a", 10, 10), e("a", 30 + RUN_GAP_MAX + 1, 10)]);
+        let got: Vec<(&str, Vec<(u64, u64)>)> = runs.iter().map(|r| (r.shard.as_str(), r.experts.clone())).collect();
+        assert_eq!(got, vec![("a", vec![(10, 10), (20, 10)]), ("a", vec![(31 + RUN_GAP_MAX, 10)]), ("b", vec![(0, 10)])]);
+        // Count and byte caps split long runs.
+        let many: Vec<_> = (0..(RUN_EXPERTS_MAX as u64 + 1)).map(|i| e("s", i * 4, 4)).collect();
+        assert_eq!(coalesce(many).iter().map(|r| r.experts.len()).collect::<Vec<_>>(), vec![RUN_EXPERTS_MAX, 1]);
+        let big = RUN_BYTES_MAX / 2 + 1;
+        assert_eq!(coalesce(vec![e("s", 0, big), e("s", big, big)]).len(), 2);
     }
 }

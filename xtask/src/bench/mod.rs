@@ -12,6 +12,7 @@ mod device;
 mod engine_runs;
 mod ladder;
 mod spec;
+mod stream;
 mod svg;
 
 pub use ladder::Limiter;
@@ -33,6 +34,8 @@ pub enum Which {
     Spec,
     /// Many sequences per expert read: lockstep decoding at several N, prompt scoring.
     Batch,
+    /// A stream store against a loopback hub over a rate-limited link.
+    Stream,
     /// This tree against `--base REV` (not part of `all`).
     Ab,
     All,
@@ -274,6 +277,10 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
     if matches!(which, Which::Batch | Which::All) {
         std::fs::write(bench_dir.join("batch.md"), batch::run(&store, budget, vocab, quick)?)?;
     }
+    if matches!(which, Which::Stream | Which::All) {
+        let (ckpt, full) = ensure_model("slice-mini")?;
+        std::fs::write(bench_dir.join("stream.md"), stream::run(&ckpt, &full, &root().join("models"), 8192, quick)?)?;
+    }
     if matches!(which, Which::Spec | Which::All) {
         let mut md = String::from("## Speculative decoding\n\nEvery drafter against plain decoding on two stores of real expert size: `slice`, whose random router sends each token to nearly independent experts (so a verify of k + 1 rows reads about k + 1 times the experts, and drafting cannot pay: the live gate should keep it off), and `slice-hot`, whose router prefers some experts as a trained one does (rows share experts, so verifying is cheaper per row). Neither model is trained, so only the oracle's drafts are ever right; the prompt lookup and the draft model are measured for what they cost when wrong.\n\n");
         md += &spec::run("slice", &store, &ckpt, budget, quick)?;
@@ -350,6 +357,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         "prefill",
         "spec",
         "batch",
+        "stream",
         "ladder",
         "ladder-reader",
         "ab",

@@ -63,8 +63,10 @@ const EAGER: [&str; 5] =
 /// Spine bytes coalesced into one request at most.
 const SPINE_RUN: u64 = 64 << 20;
 
-/// Shards whose spine bytes are on disk, one name per line (appended after a sync).
-const SPINE_DONE: &str = "spine.done";
+/// Shards whose every non-expert byte is on disk, one name per line (appended after a sync).
+/// Named for what it promises: skeletons of earlier versions logged only the spine tensors in
+/// `spine.done`, and must not count as complete.
+const SPINE_DONE: &str = "skeleton.done";
 
 struct Bytes<'p>(&'p dyn Progress);
 impl DownloadProgress for Bytes<'_> {
@@ -262,8 +264,10 @@ fn skeleton(hub: &Hub, f: &HubFile, path: &Path) -> Result<()> {
     })
 }
 
-/// Fetches every spine tensor's bytes into the skeletons, shard by shard, checking a shard that
-/// holds no experts against its SHA-256 at once (its bytes are then all local).
+/// Fetches every byte of each skeleton that is not an expert's (the spine, and any tensor the
+/// engine does not use, which the shard's SHA-256 covers all the same), shard by shard,
+/// checking a shard that holds no experts against its SHA-256 at once (its bytes are then all
+/// local).
 fn fetch_spine(
     hub: &Hub,
     ckpt: &Checkpoint,
@@ -276,19 +280,42 @@ fn fetch_spine(
     let done_path = dir.join(SPINE_DONE);
     let done: BTreeSet<String> = std::fs::read_to_string(&done_path).unwrap_or_default().lines().map(str::to_string).collect();
     let names = super::spine::spine_names(ckpt);
-    let mut per_shard: BTreeMap<usize, Vec<(u64, u64)>> = BTreeMap::new();
     let mut names_of: BTreeMap<usize, Vec<&String>> = BTreeMap::new();
     for n in &names {
-        let t = &ckpt.tensors()[n];
-        per_shard.entry(t.shard).or_default().push((t.offset, t.len));
-        names_of.entry(t.shard).or_default().push(n);
+        names_of.entry(ckpt.tensors()[n].shard).or_default().push(n);
+    }
+    // Expert spans per shard: the bytes left sparse.
+    let mut expert_spans: BTreeMap<usize, Vec<(u64, u64)>> = BTreeMap::new();
+    for l in ckpt.config().moe_layers() {
+        for s in ckpt.expert_spans(l)?.1 {
+            let shard =
+                ckpt.shards().iter().position(|p| *p == s.file).ok_or_else(|| Error::format(&s.file, "an expert outside the shards"))?;
+            expert_spans.entry(shard).or_default().push((s.offset, s.len));
+        }
+    }
+    let mut per_shard: BTreeMap<usize, Vec<(u64, u64)>> = BTreeMap::new();
+    for (shard, path) in ckpt.shards().iter().enumerate() {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let size = files.get(name.as_str()).map_or(0, |f| f.size);
+        let mut head = [0u8; 8];
+        std::fs::File::open(path).and_then(|f| f.read_exact_at(&mut head, 0)).map_err(Error::io(path))?;
+        let mut at = 8 + u64::from_le_bytes(head);
+        let mut spans = expert_spans.remove(&shard).unwrap_or_default();
+        spans.sort_unstable();
+        let gaps = per_shard.entry(shard).or_default();
+        for (o, l) in spans.into_iter().chain([(size, 0)]) {
+            if o > at {
+                gaps.push((at, o - at));
+            }
+            at = at.max(o + l);
+        }
     }
     // A shard's spine bytes fetched by an earlier run are kept only if they still match the
     // checksums that run's manifest recorded.
     let intact = |shard: usize| -> bool {
         let path = &ckpt.shards()[shard];
         let Ok(f) = std::fs::File::open(path) else { return false };
-        names_of[&shard].iter().all(|n| {
+        names_of.get(&shard).into_iter().flatten().all(|n| {
             let t = &ckpt.tensors()[*n];
             let mut b = vec![0u8; t.len as usize];
             f.read_exact_at(&mut b, t.offset).is_ok() && earlier.get(*n).is_some_and(|want| *want == checksum(&b))
@@ -296,7 +323,7 @@ fn fetch_spine(
     };
     let has_experts: BTreeSet<usize> =
         ckpt.tensors().iter().filter(|(n, _)| n.contains(".block_sparse_moe.experts.")).map(|(_, t)| t.shard).collect();
-    progress.begin("spine", names.iter().map(|n| ckpt.tensors()[n].len).sum());
+    progress.begin("spine", per_shard.values().flatten().map(|r| r.1).sum());
     for (shard, mut ranges) in per_shard {
         let path = &ckpt.shards()[shard];
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -306,20 +333,53 @@ fn fetch_spine(
             continue;
         }
         ranges.sort_unstable();
+        // Requests of at most SPINE_RUN bytes, spread over the hub's connections.
         let mut runs: Vec<(u64, u64)> = Vec::new();
-        for (o, l) in ranges {
-            match runs.last_mut() {
-                Some(r) if r.0 + r.1 == o && r.1 + l <= SPINE_RUN => r.1 += l,
-                _ => runs.push((o, l)),
+        for (mut o, mut l) in ranges {
+            while l > 0 {
+                match runs.last_mut() {
+                    Some(r) if r.0 + r.1 == o && r.1 < SPINE_RUN => {
+                        let take = l.min(SPINE_RUN - r.1);
+                        r.1 += take;
+                        (o, l) = (o + take, l - take);
+                    }
+                    _ => {
+                        let take = l.min(SPINE_RUN);
+                        runs.push((o, take));
+                        (o, l) = (o + take, l - take);
+                    }
+                }
             }
         }
         let file = std::fs::OpenOptions::new().write(true).open(path).map_err(Error::io(path))?;
-        let mut buf = Vec::new();
-        for (o, l) in runs {
-            buf.resize(l as usize, 0);
-            hub.fetch_range(&name, o, &mut buf, FetchPriority::Demand)?;
-            file.write_all_at(&buf, o).map_err(Error::io(path))?;
-            progress.advance(l);
+        let queue = std::sync::Mutex::new(runs);
+        let first_error: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
+        std::thread::scope(|scope| {
+            for _ in 0..hub.connections().max(1) {
+                scope.spawn(|| {
+                    let mut buf = Vec::new();
+                    loop {
+                        if first_error.lock().expect("poisoned").is_some() {
+                            return;
+                        }
+                        let Some((o, l)) = queue.lock().expect("poisoned").pop() else { return };
+                        buf.resize(l as usize, 0);
+                        let r = hub
+                            .fetch_range(&name, o, &mut buf, FetchPriority::Demand)
+                            .map_err(Error::from)
+                            .and_then(|()| file.write_all_at(&buf, o).map_err(Error::io(path)));
+                        match r {
+                            Ok(()) => progress.advance(l),
+                            Err(e) => {
+                                first_error.lock().expect("poisoned").get_or_insert(e);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        if let Some(e) = first_error.into_inner().expect("poisoned") {
+            return Err(e);
         }
         file.sync_all().map_err(Error::io(path))?;
         if !has_experts.contains(&shard) {
