@@ -213,3 +213,29 @@ fn every_shard_of_a_generated_checkpoint_verifies_once_filled() {
     drop(cache);
     assert_eq!(ids(&store, None).unwrap(), ids(&ckpt, None).unwrap());
 }
+
+#[test]
+fn a_split_range_is_fetched_as_parts_side_by_side_and_reassembled_exactly() {
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = options(&hub, tmp.path(), 0).hub;
+    let remote = deltafin_fetch::Hub::open(cfg, &deltafin_fetch::RepoRef::parse(&format!("hf://{REPO}")).unwrap()).unwrap();
+    let shard = "model-00001-of-000004.safetensors";
+    let want = std::fs::read(fixture().join(shard)).unwrap();
+    let (offset, len) = (1000u64, want.len() - 2000);
+    assert!(len >= 3 * deltafin_fetch::SPLIT_MIN, "the fixture shard is large enough to split");
+    let requests = || hub.stats().range_requests.load(std::sync::atomic::Ordering::Relaxed);
+    let before = requests();
+    let mut got = vec![0u8; len];
+    remote.fetch_range_split(shard, offset, &mut got, deltafin_fetch::Priority::Demand).unwrap();
+    assert!(got == want[1000..1000 + len], "split parts reassemble the range exactly");
+    assert_eq!(requests() - before, (len / deltafin_fetch::SPLIT_MIN) as u64, "one request per part");
+    // A part that fails mid-body is resumed; the rest are unaffected.
+    hub.faults(|f| {
+        f.drop_mid_body = 2;
+        f.wrong_content_range = 1;
+    });
+    let mut again = vec![0u8; len];
+    remote.fetch_range_split(shard, offset, &mut again, deltafin_fetch::Priority::Demand).unwrap();
+    assert!(again == got, "through faults");
+}

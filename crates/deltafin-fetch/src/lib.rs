@@ -24,5 +24,5 @@ pub use crate::{
     download::{sha256_file, DownloadProgress},
     error::{Error, Result},
     hub::{Hub, HubConfig, Priority, RemoteFile, RepoRef},
-    range::RetryPolicy,
+    range::{RetryPolicy, SPLIT_MIN},
 };

@@ -72,8 +72,9 @@ impl Run {
     }
 }
 
-/// Groups `(shard, offset, len)` experts into runs (see [`RUN_EXPERTS_MAX`]).
-fn coalesce(mut want: Vec<(String, u64, u64)>) -> Vec<Run> {
+/// Groups `(shard, offset, len)` experts into runs of at most `bytes_max` bytes (see
+/// [`RUN_EXPERTS_MAX`]); one expert always makes a run.
+fn coalesce(mut want: Vec<(String, u64, u64)>, bytes_max: u64) -> Vec<Run> {
     want.sort();
     want.dedup();
     let mut runs: Vec<Run> = Vec::new();
@@ -83,7 +84,7 @@ fn coalesce(mut want: Vec<(String, u64, u64)>) -> Vec<Run> {
                 && off >= r.end()
                 && off - r.end() <= RUN_GAP_MAX
                 && r.experts.len() < RUN_EXPERTS_MAX
-                && off + len - r.start() <= RUN_BYTES_MAX;
+                && off + len - r.start() <= bytes_max;
             if fits {
                 r.experts.push((off, len));
                 continue;
@@ -398,7 +399,7 @@ impl HubCache {
     /// Fetches the expert at `offset` of `shard` into `dst` and publishes it; checks the shard
     /// once all its bytes are local.
     pub fn fetch(&self, shard: &str, offset: u64, dst: &mut [u8], priority: FetchPriority) -> Result<()> {
-        self.hub.fetch_range(shard, offset, dst, priority)?;
+        self.hub.fetch_range_split(shard, offset, dst, priority)?;
         self.stats.fetches.fetch_add(1, Ordering::Relaxed);
         self.stats.fetched_bytes.fetch_add(dst.len() as u64, Ordering::Relaxed);
         self.publish(shard, offset, dst)?;
@@ -438,7 +439,9 @@ impl HubCache {
     ) -> Result<()> {
         let want: Vec<_> = want.into_iter().filter(|(s, o, _)| self.spans.contains_key(s) && !self.contains(s, *o)).collect();
         progress.begin(phase, want.iter().map(|t| t.2).sum());
-        let runs = std::sync::Mutex::new(std::collections::VecDeque::from(coalesce(want)));
+        // Runs no longer than an even share of the work, so that every connection has some.
+        let share = want.iter().map(|t| t.2).sum::<u64>() / self.hub.connections().max(1) as u64;
+        let runs = std::sync::Mutex::new(std::collections::VecDeque::from(coalesce(want, share.min(RUN_BYTES_MAX))));
         let failed = std::sync::atomic::AtomicBool::new(false);
         let first_error: Mutex<Option<Error>> = Mutex::new(None);
         let (tx, rx) = std::sync::mpsc::channel::<u64>();
@@ -517,13 +520,18 @@ mod tests {
 
     #[test]
     fn runs_join_adjacent_experts_of_one_shard_within_limits() {
-        let runs = coalesce(vec![e("b", 0, 10), e("a", 20, 10), e("a", 10, 10), e("a", 10, 10), e("a", 30 + RUN_GAP_MAX + 1, 10)]);
+        let runs =
+            coalesce(vec![e("b", 0, 10), e("a", 20, 10), e("a", 10, 10), e("a", 10, 10), e("a", 30 + RUN_GAP_MAX + 1, 10)], RUN_BYTES_MAX);
         let got: Vec<(&str, Vec<(u64, u64)>)> = runs.iter().map(|r| (r.shard.as_str(), r.experts.clone())).collect();
         assert_eq!(got, vec![("a", vec![(10, 10), (20, 10)]), ("a", vec![(31 + RUN_GAP_MAX, 10)]), ("b", vec![(0, 10)])]);
         // Count and byte caps split long runs.
         let many: Vec<_> = (0..(RUN_EXPERTS_MAX as u64 + 1)).map(|i| e("s", i * 4, 4)).collect();
-        assert_eq!(coalesce(many).iter().map(|r| r.experts.len()).collect::<Vec<_>>(), vec![RUN_EXPERTS_MAX, 1]);
+        assert_eq!(coalesce(many, RUN_BYTES_MAX).iter().map(|r| r.experts.len()).collect::<Vec<_>>(), vec![RUN_EXPERTS_MAX, 1]);
         let big = RUN_BYTES_MAX / 2 + 1;
-        assert_eq!(coalesce(vec![e("s", 0, big), e("s", big, big)]).len(), 2);
+        assert_eq!(coalesce(vec![e("s", 0, big), e("s", big, big)], RUN_BYTES_MAX).len(), 2);
+        // A smaller cap (an even share per connection) splits sooner; one expert still fits.
+        let four: Vec<_> = (0..4).map(|i| e("s", i * 10, 10)).collect();
+        assert_eq!(coalesce(four.clone(), 20).len(), 2);
+        assert_eq!(coalesce(four, 1).len(), 4);
     }
 }
