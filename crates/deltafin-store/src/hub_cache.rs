@@ -95,6 +95,27 @@ fn coalesce(mut want: Vec<(String, u64, u64)>, bytes_max: u64) -> Vec<Run> {
     runs
 }
 
+/// Runs `work` on every job over `workers` threads (one per hub connection), each with its own
+/// buffer; after the first error no new job starts, and that error is returned.
+pub(crate) fn drain<J: Send>(jobs: Vec<J>, workers: usize, work: impl Fn(J, &mut Vec<u8>) -> Result<()> + Sync) -> Result<()> {
+    let queue = Mutex::new(std::collections::VecDeque::from(jobs));
+    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..workers.max(1) {
+            scope.spawn(|| {
+                let mut buf = Vec::new();
+                while first_error.lock().expect("poisoned").is_none() {
+                    let Some(job) = queue.lock().expect("poisoned").pop_front() else { return };
+                    if let Err(e) = work(job, &mut buf) {
+                        first_error.lock().expect("poisoned").get_or_insert(e);
+                    }
+                }
+            });
+        }
+    });
+    first_error.into_inner().expect("poisoned").map_or(Ok(()), Err)
+}
+
 /// A file of the repository as the hub listed it at setup.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct HubFile {
@@ -441,40 +462,13 @@ impl HubCache {
         progress.begin(phase, want.iter().map(|t| t.2).sum());
         // Runs no longer than an even share of the work, so that every connection has some.
         let share = want.iter().map(|t| t.2).sum::<u64>() / self.hub.connections().max(1) as u64;
-        let runs = std::sync::Mutex::new(std::collections::VecDeque::from(coalesce(want, share.min(RUN_BYTES_MAX))));
-        let failed = std::sync::atomic::AtomicBool::new(false);
-        let first_error: Mutex<Option<Error>> = Mutex::new(None);
-        let (tx, rx) = std::sync::mpsc::channel::<u64>();
-        std::thread::scope(|scope| {
-            for _ in 0..self.hub.connections().max(1) {
-                let tx = tx.clone();
-                let (runs, failed, first_error) = (&runs, &failed, &first_error);
-                scope.spawn(move || {
-                    let mut buf = Vec::new();
-                    while !failed.load(Ordering::Relaxed) {
-                        let Some(run) = runs.lock().expect("poisoned").pop_front() else { break };
-                        match self.fetch_run(&run, &mut buf, priority) {
-                            Ok(()) => {
-                                let _ = tx.send(run.experts.iter().map(|e| e.1).sum());
-                            }
-                            Err(e) => {
-                                failed.store(true, Ordering::Relaxed);
-                                first_error.lock().expect("poisoned").get_or_insert(e);
-                            }
-                        }
-                    }
-                });
-            }
-            drop(tx);
-            for bytes in rx {
-                progress.advance(bytes);
-            }
+        let result = drain(coalesce(want, share.min(RUN_BYTES_MAX)), self.hub.connections(), |run, buf| {
+            self.fetch_run(&run, buf, priority)?;
+            progress.advance(run.experts.iter().map(|e| e.1).sum());
+            Ok(())
         });
         progress.end();
-        match first_error.into_inner().expect("poisoned") {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        result
     }
 
     /// Fetches every expert not cached yet (a stream store becomes a full one) at background

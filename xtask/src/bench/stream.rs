@@ -33,8 +33,9 @@ fn cold(store: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Fetches `experts` into an empty cache with `connections` connections; bytes/s.
-fn fetch_rate(store: &Path, count: usize, connections: usize) -> Result<f64> {
+/// Fetches the first `count` experts into an empty cache over `connections` connections:
+/// `(bytes, bytes/s)`.
+fn fetch_rate(store: &Path, count: usize, connections: usize) -> Result<(u64, f64)> {
     cold(store)?;
     std::env::set_var("DELTAFIN_HUB_CONNECTIONS", connections.to_string());
     let cache = Store::open(store)?.hub_cache()?;
@@ -43,7 +44,7 @@ fn fetch_rate(store: &Path, count: usize, connections: usize) -> Result<f64> {
     let bytes: u64 = want.iter().map(|w| w.2).sum();
     let t = Instant::now();
     cache.fetch_many(want, deltafin_fetch::Priority::Background, "fetch", &NoProgress)?;
-    Ok(bytes as f64 / t.elapsed().as_secs_f64())
+    Ok((bytes, bytes as f64 / t.elapsed().as_secs_f64()))
 }
 
 /// Caches `fraction` of the experts (a fixed pseudo-random choice, fetched untimed).
@@ -86,9 +87,11 @@ pub fn run(ckpt: &Path, full_store: &Path, work: &Path, vocab: u32, quick: bool)
     let count = if quick { 16 } else { 32 };
     let conns = [1usize, 2, 4, 8];
     let mut rates = vec![Vec::new(); conns.len()];
+    let mut fetch_bytes = 0;
     for round in 0..rounds {
         for (i, &c) in conns.iter().enumerate() {
-            let r = fetch_rate(&store, count, c)?;
+            let (bytes, r) = fetch_rate(&store, count, c)?;
+            fetch_bytes = bytes;
             eprintln!("stream round {round}: {c} connection(s): {:.0} MB/s", r / 1e6);
             rates[i].push(r);
         }
@@ -139,7 +142,7 @@ pub fn run(ckpt: &Path, full_store: &Path, work: &Path, vocab: u32, quick: bool)
         LINK / 1_000_000,
         spine as f64 / 1e6,
     );
-    writeln!(md, "Fetch throughput: {count} experts ({:.0} MB) into an empty cache (coalesced runs of adjacent experts, each published with temp + fsync + rename, on this machine's one disk and 2 cores, which also run the emulator). Ideal: the lesser of the connections' throttles and the link.\n\n| connections | MB/s min / median / max | ideal MB/s | of ideal |\n|---|---|---|---|", count as f64 * 17.547264)?;
+    writeln!(md, "Fetch throughput: {count} experts ({:.0} MB) into an empty cache (coalesced runs of adjacent experts, each published with temp + fsync + rename, on this machine's one disk and 2 cores, which also run the emulator). Ideal: the lesser of the connections' throttles and the link.\n\n| connections | MB/s min / median / max | ideal MB/s | of ideal |\n|---|---|---|---|", fetch_bytes as f64 / 1e6)?;
     for (i, c) in conns.iter().enumerate() {
         let (a, b, m) = spread(&rates[i]);
         let default = if *c == 8 { " (default)" } else { "" };

@@ -293,6 +293,7 @@ fn fetch_spine(
             expert_spans.entry(shard).or_default().push((s.offset, s.len));
         }
     }
+    let has_experts: BTreeSet<usize> = expert_spans.keys().copied().collect();
     let mut per_shard: BTreeMap<usize, Vec<(u64, u64)>> = BTreeMap::new();
     for (shard, path) in ckpt.shards().iter().enumerate() {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -321,8 +322,6 @@ fn fetch_spine(
             f.read_exact_at(&mut b, t.offset).is_ok() && earlier.get(*n).is_some_and(|want| *want == checksum(&b))
         })
     };
-    let has_experts: BTreeSet<usize> =
-        ckpt.tensors().iter().filter(|(n, _)| n.contains(".block_sparse_moe.experts.")).map(|(_, t)| t.shard).collect();
     progress.begin("spine", per_shard.values().flatten().map(|r| r.1).sum());
     for (shard, mut ranges) in per_shard {
         let path = &ckpt.shards()[shard];
@@ -332,55 +331,21 @@ fn fetch_spine(
             progress.advance(bytes);
             continue;
         }
+        // The gaps between experts are never adjacent: each is split into requests of at most
+        // SPINE_RUN bytes, spread over the hub's connections.
         ranges.sort_unstable();
-        // Requests of at most SPINE_RUN bytes, spread over the hub's connections.
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for (mut o, mut l) in ranges {
-            while l > 0 {
-                match runs.last_mut() {
-                    Some(r) if r.0 + r.1 == o && r.1 < SPINE_RUN => {
-                        let take = l.min(SPINE_RUN - r.1);
-                        r.1 += take;
-                        (o, l) = (o + take, l - take);
-                    }
-                    _ => {
-                        let take = l.min(SPINE_RUN);
-                        runs.push((o, take));
-                        (o, l) = (o + take, l - take);
-                    }
-                }
-            }
-        }
+        let runs: Vec<(u64, u64)> = ranges
+            .iter()
+            .flat_map(|&(o, l)| (0..l.div_ceil(SPINE_RUN)).map(move |i| (o + i * SPINE_RUN, (l - i * SPINE_RUN).min(SPINE_RUN))))
+            .collect();
         let file = std::fs::OpenOptions::new().write(true).open(path).map_err(Error::io(path))?;
-        let queue = std::sync::Mutex::new(runs);
-        let first_error: std::sync::Mutex<Option<Error>> = std::sync::Mutex::new(None);
-        std::thread::scope(|scope| {
-            for _ in 0..hub.connections().max(1) {
-                scope.spawn(|| {
-                    let mut buf = Vec::new();
-                    loop {
-                        if first_error.lock().expect("poisoned").is_some() {
-                            return;
-                        }
-                        let Some((o, l)) = queue.lock().expect("poisoned").pop() else { return };
-                        buf.resize(l as usize, 0);
-                        let r = hub
-                            .fetch_range(&name, o, &mut buf, FetchPriority::Demand)
-                            .map_err(Error::from)
-                            .and_then(|()| file.write_all_at(&buf, o).map_err(Error::io(path)));
-                        match r {
-                            Ok(()) => progress.advance(l),
-                            Err(e) => {
-                                first_error.lock().expect("poisoned").get_or_insert(e);
-                            }
-                        }
-                    }
-                });
-            }
-        });
-        if let Some(e) = first_error.into_inner().expect("poisoned") {
-            return Err(e);
-        }
+        crate::hub_cache::drain(runs, hub.connections(), |(o, l), buf| {
+            buf.resize(l as usize, 0);
+            hub.fetch_range(&name, o, buf, FetchPriority::Demand)?;
+            file.write_all_at(buf, o).map_err(Error::io(path))?;
+            progress.advance(l);
+            Ok(())
+        })?;
         file.sync_all().map_err(Error::io(path))?;
         if !has_experts.contains(&shard) {
             if let Some(want) = files.get(name.as_str()).and_then(|f| f.sha256.clone()) {
