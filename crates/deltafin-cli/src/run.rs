@@ -11,7 +11,8 @@ use deltafin::{Message, Role};
 /// Options shared by every command that opens a model.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// A checkpoint folder (release layout) or a store made by `deltafin setup`.
+    /// A checkpoint folder (release layout), a store made by `deltafin setup`, or
+    /// hf://OWNER/REPO[@REVISION] for a model in the local Hugging Face cache (read in place).
     #[arg(long)]
     pub model: PathBuf,
     /// Most tokens a sequence may hold (bounds the MLA cache).

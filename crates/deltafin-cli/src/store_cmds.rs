@@ -42,8 +42,10 @@ impl Progress for Bars {
 
 #[derive(Args, Debug)]
 pub struct SetupArgs {
-    /// The checkpoint folder to install (release layout), or with --stream a hub repository:
-    /// hf://OWNER/REPO[@REVISION] (HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE are honoured).
+    /// The checkpoint folder to install (release layout), or a hub repository
+    /// hf://OWNER/REPO[@REVISION]: with --stream fetched from the hub (HF_ENDPOINT, HF_TOKEN and
+    /// HF_HUB_OFFLINE are honoured), with --full read from the local Hugging Face cache
+    /// (HF_HUB_CACHE, HF_HOME), in place with --in-place.
     #[arg(long)]
     pub from: String,
     /// Install the whole model now ("full" mode).
@@ -87,6 +89,15 @@ pub fn run_setup(a: SetupArgs) -> Result<()> {
         if a.in_place || !a.homes.is_empty() || a.copies != 1 {
             bail!("--stream keeps experts in the store's cache; --in-place, --home and --copies apply to --full installs");
         }
+        let cached = deltafin::resolve_model_dir(std::path::Path::new(&a.from));
+        if let (true, Ok(dir)) = (a.from.starts_with("hf://"), cached) {
+            eprintln!(
+                "note: {} is already in the Hugging Face cache ({}): `deltafin setup --full --in-place --from {} --out STORE` uses those files with no download",
+                a.from,
+                dir.display(),
+                a.from
+            );
+        }
         let mut opts = deltafin::StreamOptions::new(a.from.clone(), &a.out);
         opts.disk_budget = a.disk_budget;
         opts.fill = a.fill;
@@ -103,12 +114,6 @@ pub fn run_setup(a: SetupArgs) -> Result<()> {
     }
     if a.disk_budget.is_some() || a.fill {
         bail!("--disk-budget and --fill apply to --stream installs");
-    }
-    if a.from.starts_with("hf://") {
-        bail!(
-            "{} is a hub repository: install it with --stream (a --full install from the hub is not supported yet: use --stream --fill)",
-            a.from
-        );
     }
     if a.in_place && !a.homes.is_empty() {
         bail!("--in-place reads experts from the checkpoint folder; --home only applies to copied packs");

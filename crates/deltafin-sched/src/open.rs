@@ -188,6 +188,8 @@ impl EngineBuilder {
 
     /// Opens the model: parses the config, checks every spine tensor, starts the expert source.
     pub fn open(mut self) -> Result<LoadedModel> {
+        // `hf://OWNER/REPO` names a model in the local Hugging Face cache, read where it is.
+        self.path = deltafin_store::resolve_model_dir(&self.path)?;
         if Store::is_store(&self.path) {
             return self.open_store();
         }

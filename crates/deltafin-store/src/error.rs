@@ -48,6 +48,9 @@ pub enum Error {
     /// The RAM budget is too small to run at all.
     #[error("RAM budget {budget} bytes is too small: this model needs at least {minimum} bytes ({why})")]
     BudgetTooSmall { budget: u64, minimum: u64, why: String },
+    /// A `hf://` model asked for in the local Hugging Face cache is not there (or incomplete).
+    #[error("{spec} is not in the Hugging Face cache at {looked}: {why}; {advice}")]
+    NotInHfCache { spec: String, looked: PathBuf, why: String, advice: String },
     /// The hub could not give what a stream store needs.
     #[error(transparent)]
     Fetch(#[from] deltafin_fetch::Error),

@@ -18,6 +18,7 @@ mod checkpoint;
 mod doctor;
 mod draft;
 mod error;
+mod hf_snapshot;
 mod hub_cache;
 mod identity;
 mod lock;
@@ -35,6 +36,7 @@ pub use crate::{
     doctor::{doctor, repair, DoctorReport},
     draft::DraftCheckpoint,
     error::{Error, Result},
+    hf_snapshot::{hf_hub_cache, resolve_model_dir, snapshot as hf_snapshot},
     hub_cache::{HubCache, HubCacheStats, HubFile, HubRecord, CACHE_DIR, HUB_DIR, HUB_RECORD, WHOLE_SHARD_FETCH},
     identity::source_id,
     lock::{DirLock, LOCK_FILE},

@@ -40,7 +40,10 @@ pub use deltafin_sched::{
     Slot, Stats, Step, StepOutput, AUTO_DRAFT_DIR, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
 };
 pub use deltafin_spec::{Drafter, NgramDrafter};
-pub use deltafin_store::{DoctorReport, ExpertLayoutKind, HomeStats, NoProgress, Progress, SetupOptions, StreamOptions, DEFAULT_SPLIT_MIN};
+pub use deltafin_store::{
+    hf_hub_cache, resolve_model_dir, DoctorReport, ExpertLayoutKind, HomeStats, NoProgress, Progress, SetupOptions, StreamOptions,
+    DEFAULT_SPLIT_MIN,
+};
 
 /// What a store holds, as [`setup`] and [`repair`] leave it.
 #[derive(Clone, Debug)]

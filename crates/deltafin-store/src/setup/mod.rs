@@ -223,6 +223,9 @@ impl Install<'_> {
 /// Installs `opts.source` into `opts.out`. Returns the manifest. Safe to re-run after a crash;
 /// a re-run also repairs (re-verifies every finished file and rewrites what is wrong).
 pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
+    // `hf://OWNER/REPO` names a model in the local Hugging Face cache, used where it is.
+    let source = crate::hf_snapshot::resolve_model_dir(&opts.source)?;
+    let opts = &SetupOptions { source, ..opts.clone() };
     let ckpt = Checkpoint::open(&opts.source)?;
     ckpt.validate()?;
     let out = &opts.out;
