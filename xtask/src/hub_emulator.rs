@@ -6,7 +6,7 @@
 //! limit per connection. std threads only: one thread per connection, keep-alive honoured.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -273,18 +273,22 @@ fn handle(s: &Shared, c: &mut TcpStream, req: &Request) -> std::io::Result<bool>
         respond(c, "429 Too Many Requests", &[("Retry-After", "1".into())], b"")?;
         return Ok(true);
     }
-    let mut bytes = vec![0u8; (b - a + 1) as usize];
-    let mut f = std::fs::File::open(s.root.join(file))?;
-    std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(a))?;
-    f.read_exact(&mut bytes)?;
-    if let Some(&at) = faults.corrupt.get(file) {
-        if (a..=b).contains(&at) {
-            bytes[(at - a) as usize] ^= 0x10;
+    let f = std::fs::File::open(s.root.join(file))?;
+    let corrupt_at = faults.corrupt.get(file).copied();
+    // Bytes `from..from + len` of the file as served (a planted corrupt byte flipped). Read as
+    // they are sent, like a CDN streaming from its store: reading a whole 64 MiB range before
+    // the first byte would idle the link between requests, which no real hub does.
+    let read = |from: u64, len: usize| -> std::io::Result<Vec<u8>> {
+        let mut bytes = vec![0u8; len];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut bytes, from)?;
+        if let Some(at) = corrupt_at.filter(|&at| (from..from + len as u64).contains(&at)) {
+            bytes[(at - from) as usize] ^= 0x10;
         }
-    }
+        Ok(bytes)
+    };
+    let total = (b - a + 1) as usize;
     if take(&mut |f| &mut f.full_200) {
-        let whole = std::fs::read(s.root.join(file))?;
-        respond(c, "200 OK", &[], &whole)?;
+        respond(c, "200 OK", &[], &read(0, size as usize)?)?;
         return Ok(true);
     }
     let range = if take(&mut |f| &mut f.wrong_content_range) {
@@ -292,22 +296,24 @@ fn handle(s: &Shared, c: &mut TcpStream, req: &Request) -> std::io::Result<bool>
     } else {
         format!("bytes {a}-{b}/{size}")
     };
-    let head = format!("HTTP/1.1 206 Partial Content\r\nContent-Length: {}\r\nContent-Range: {range}\r\n\r\n", bytes.len());
+    let head = format!("HTTP/1.1 206 Partial Content\r\nContent-Length: {total}\r\nContent-Range: {range}\r\n\r\n");
     c.write_all(head.as_bytes())?;
     if take(&mut |f| &mut f.drop_mid_body) {
-        c.write_all(&bytes[..bytes.len() / 2])?;
+        c.write_all(&read(a, total / 2)?)?;
         let _ = c.shutdown(std::net::Shutdown::Both);
         return Ok(false);
     }
     if take(&mut |f| &mut f.stall) {
-        c.write_all(&bytes[..bytes.len() / 2])?;
+        c.write_all(&read(a, total / 2)?)?;
         std::thread::sleep(faults.stall_for);
         let _ = c.shutdown(std::net::Shutdown::Both);
         return Ok(false);
     }
     let start = Instant::now();
     let mut sent = 0usize;
-    for chunk in bytes.chunks(64 << 10) {
+    const CHUNK: usize = 64 << 10;
+    while sent < total {
+        let chunk = read(a + sent as u64, CHUNK.min(total - sent))?;
         // The chunk takes the link's next slot; it is sent, and the connection waits out the
         // later of its slot's end and its own rate.
         let link_due = (faults.link_rate > 0).then(|| {
@@ -316,7 +322,7 @@ fn handle(s: &Shared, c: &mut TcpStream, req: &Request) -> std::io::Result<bool>
             *free = at + Duration::from_secs_f64(chunk.len() as f64 / faults.link_rate as f64);
             *free
         });
-        c.write_all(chunk)?;
+        c.write_all(&chunk)?;
         sent += chunk.len();
         if faults.rate > 0 {
             let due = start + Duration::from_secs_f64(sent as f64 / faults.rate as f64);
@@ -326,6 +332,6 @@ fn handle(s: &Shared, c: &mut TcpStream, req: &Request) -> std::io::Result<bool>
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
     }
-    s.stats.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    s.stats.bytes.fetch_add(total as u64, Ordering::Relaxed);
     Ok(true)
 }

@@ -138,10 +138,39 @@ impl Hub {
 
     /// Reads `buf.len()` bytes of `file` from `offset`, exactly (see the module doc).
     pub fn fetch_range(&self, file: &str, offset: u64, buf: &mut [u8], priority: Priority) -> Result<()> {
+        self.fetch_range_parts(file, offset, vec![buf], priority, &mut |_, _| {})
+    }
+
+    /// Reads `file` from `offset` into `parts`, consecutive buffers filled in order by one range
+    /// request, handing each part to `done` (with its index) the moment its last byte arrives, so
+    /// a caller can store one part while the rest of the body is still streaming in. A retry
+    /// resumes after the last byte received, so a part handed over is never written again.
+    pub fn fetch_range_parts<B: AsMut<[u8]>>(
+        &self,
+        file: &str,
+        offset: u64,
+        mut parts: Vec<B>,
+        priority: Priority,
+        done: &mut dyn FnMut(usize, B),
+    ) -> Result<()> {
+        let total: usize = parts.iter_mut().map(|p| p.as_mut().len()).sum();
         if self.cfg.offline {
-            return Err(Error::Offline { what: format!("{} bytes of {file} at {offset}", buf.len()) });
+            return Err(Error::Offline { what: format!("{total} bytes of {file} at {offset}") });
         }
-        if buf.is_empty() {
+        // Parts still (partly) empty, the front one last, with the index each had in `parts`.
+        parts.reverse();
+        let mut pending: Vec<(usize, B)> = (0..parts.len()).rev().zip(parts).collect();
+        // Bytes received into the front part.
+        let mut in_part = 0usize;
+        let mut hand_over = |pending: &mut Vec<(usize, B)>, in_part: &mut usize| {
+            while pending.last_mut().is_some_and(|(_, p)| *in_part == p.as_mut().len()) {
+                let (i, p) = pending.pop().expect("checked");
+                done(i, p);
+                *in_part = 0;
+            }
+        };
+        hand_over(&mut pending, &mut in_part);
+        if total == 0 {
             return Ok(());
         }
         let _slot = self.gate.enter(priority);
@@ -150,7 +179,7 @@ impl Hub {
         let mut progress_retries = 0u32;
         self.with_retries(&resolve, |_| {
             let url = self.target(file);
-            let (start, end) = (offset + got as u64, offset + buf.len() as u64 - 1);
+            let (start, end) = (offset + got as u64, offset + total as u64 - 1);
             let mut req = self.agent.get(&url).set("Range", &format!("bytes={start}-{end}"));
             if let (Some(t), true) = (&self.cfg.token, url.starts_with(&self.cfg.endpoint)) {
                 // The token goes to the hub only, never to the storage a redirect points at.
@@ -190,10 +219,15 @@ impl Hub {
             let mut body = resp.into_reader();
             let before = got;
             let mut cut = None;
-            while got < buf.len() {
-                match body.read(&mut buf[got..]) {
+            while got < total {
+                let (_, part) = pending.last_mut().expect("bytes remain, so a part does");
+                match body.read(&mut part.as_mut()[in_part..]) {
                     Ok(0) => break,
-                    Ok(n) => got += n,
+                    Ok(n) => {
+                        got += n;
+                        in_part += n;
+                        hand_over(&mut pending, &mut in_part);
+                    }
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(e) => {
                         cut = Some(e.to_string());
@@ -201,7 +235,7 @@ impl Hub {
                     }
                 }
             }
-            if got == buf.len() {
+            if got == total {
                 return Ok(());
             }
             let why =

@@ -142,7 +142,7 @@ pub fn run(ckpt: &Path, full_store: &Path, work: &Path, vocab: u32, quick: bool)
         LINK / 1_000_000,
         spine as f64 / 1e6,
     );
-    writeln!(md, "Fetch throughput: {count} experts ({:.0} MB) into an empty cache (coalesced runs of adjacent experts, each published with temp + fsync + rename, on this machine's one disk and 2 cores, which also run the emulator). Ideal: the lesser of the connections' throttles and the link.\n\n| connections | MB/s min / median / max | ideal MB/s | of ideal |\n|---|---|---|---|", fetch_bytes as f64 / 1e6)?;
+    writeln!(md, "Fetch throughput: {count} experts ({:.0} MB) into an empty cache (adjacent experts coalesced into equal runs per connection, each expert published with direct I/O, fsync and rename by a publisher pool while the rest of its run still streams in, on this machine's one disk and 2 cores, which also run the emulator). Ideal: the lesser of the connections' throttles and the link (at 4 connections the two are equal, so any pause of one connection is lost).\n\n| connections | MB/s min / median / max | ideal MB/s | of ideal |\n|---|---|---|---|", fetch_bytes as f64 / 1e6)?;
     for (i, c) in conns.iter().enumerate() {
         let (a, b, m) = spread(&rates[i]);
         let default = if *c == 8 { " (default)" } else { "" };
