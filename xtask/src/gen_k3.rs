@@ -142,7 +142,32 @@ impl Preset {
                 bpe_ranks: 8192,
                 shard_bytes: 1 << 30,
             },
-            other => bail!("unknown preset {other:?}: use tiny, rand, small, slice, slice-hot or slice-mini"),
+            // The real K3 (../shared/K3.md): 93 layers, 896 experts, 1.56 TB in 96 shards. Only
+            // ever written `--sparse`.
+            "k3" => Preset {
+                name: "k3",
+                hidden: 7168,
+                layers: 93,
+                mla_layers: (4..=92).step_by(4).chain([93]).collect(),
+                block: 12,
+                kda_heads: 96,
+                kda_dim: 128,
+                mla_heads: 96,
+                q_lora: 1536,
+                kv_lora: 512,
+                nope: 128,
+                rope: 64,
+                v_dim: 128,
+                experts: 896,
+                top_k: 16,
+                shared: 2,
+                moe_inter: 3072,
+                latent: 3584,
+                dense_inter: 33792,
+                bpe_ranks: 163_584,
+                shard_bytes: K3_BYTES.div_ceil(K3_SHARDS as u64),
+            },
+            other => bail!("unknown preset {other:?}: use tiny, rand, small, slice, slice-hot, slice-mini or k3"),
         })
     }
 
@@ -417,12 +442,54 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
         bf16(format!("{m}.output_attn_res_proj.weight"), vec![1, h], 1.0 / (h as f32).sqrt()),
         bf16("language_model.lm_head.weight".into(), vec![p.bpe_ranks + 256, h], 4.0 / (h as f32).sqrt()),
     ]);
+    if p.name == "k3" {
+        let have: u64 = groups.iter().flatten().map(Spec::bytes).sum();
+        let count: usize = groups.iter().map(Vec::len).sum();
+        groups.push(k3_vision_tower(K3_BYTES - have, K3_TENSORS - count));
+        return groups;
+    }
     // A stand-in for the vision tower the release carries (text inference must ignore it).
     groups.push(vec![
         bf16("vision_tower.patch_embed.proj.weight".into(), vec![32, 3, 2, 2], 0.1),
         norm("mm_projector.post_norm.weight".into(), 32),
     ]);
     groups
+}
+
+/// The real K3's shard count, tensor count and tensor bytes (../shared/K3.md).
+pub const K3_SHARDS: usize = 96;
+pub const K3_TENSORS: usize = 497_220;
+pub const K3_BYTES: u64 = 1_560_860_324_864;
+
+/// A vision tower of exactly `bytes` in `count` BF16 tensors (ViT blocks, a patch embedding,
+/// the projector; the last tensor takes the remainder), so the checkpoint has the release's
+/// tensor count and size: text inference must skip all of it.
+fn k3_vision_tower(bytes: u64, count: usize) -> Vec<Spec> {
+    let (w, ff) = (1152, 4304);
+    let v = |name: String, shape: Vec<usize>| bf16(name, shape, 0.02);
+    let mut g = vec![
+        v("vision_tower.patch_embed.proj.weight".into(), vec![w, 3, 14, 14]),
+        v("mm_projector.pre_norm.weight".into(), vec![w]),
+        v("mm_projector.proj.0.weight".into(), vec![7168, 4608]),
+        v("mm_projector.proj.0.bias".into(), vec![7168]),
+    ];
+    let mut b = 0;
+    while g.len() + 6 < count {
+        let pre = format!("vision_tower.encoder.blocks.{b}");
+        for (n, shape) in [("norm1.weight", vec![w]), ("attn.qkv.weight", vec![3 * w, w]), ("attn.proj.weight", vec![w, w])] {
+            g.push(v(format!("{pre}.{n}"), shape));
+        }
+        for (n, shape) in [("norm2.weight", vec![w]), ("mlp.fc1.weight", vec![ff, w]), ("mlp.fc2.weight", vec![w, ff])] {
+            g.push(v(format!("{pre}.{n}"), shape));
+        }
+        b += 1;
+    }
+    while g.len() + 1 < count {
+        g.push(v(format!("vision_tower.encoder.post_norm.{}.weight", g.len()), vec![w]));
+    }
+    let rest = bytes - g.iter().map(Spec::bytes).sum::<u64>();
+    g.push(v("vision_tower.pos_embed".into(), vec![rest as usize / 2]));
+    g
 }
 
 /// Spread of the router's score-correction bias in `slice-hot`: about the spread of the
@@ -569,20 +636,38 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Writes the checkpoint for `preset` with `seed` into `out`.
 pub fn generate(preset: &str, seed: u64, out: &Path) -> Result<()> {
+    generate_with(preset, seed, out, false)
+}
+
+/// As [`generate`]; `sparse` writes every weight as zeros left unwritten (holes in sparse
+/// files): the full K3 layout in seconds, costing the headers' disk space only.
+pub fn generate_with(preset: &str, seed: u64, out: &Path, sparse: bool) -> Result<()> {
     let p = if preset == "rand" { Preset::random(seed) } else { Preset::by_name(preset)? };
+    if p.name == "k3" && !sparse {
+        bail!("the k3 preset is 1.56 TB of weights: write it with --sparse (every weight zero, almost no disk)");
+    }
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     // Pack tensor groups into shards of about `shard_bytes`, never splitting a group (an expert's
     // six records stay together).
     let groups = specs(&p);
     let mut shards: Vec<Vec<Spec>> = vec![Vec::new()];
     let mut size = 0u64;
+    let all: u64 = groups.iter().flatten().map(Spec::bytes).sum();
+    let mut before = 0u64;
     for g in groups {
         let gb: u64 = g.iter().map(Spec::bytes).sum();
-        if size > 0 && size + gb > p.shard_bytes {
+        let full = match p.name {
+            // A group goes to the shard its first byte falls in when the model is cut into 96
+            // equal parts: exactly 96 shards, as in the release.
+            "k3" => (before as u128 * K3_SHARDS as u128 / all as u128) as usize >= shards.len(),
+            _ => size > 0 && size + gb > p.shard_bytes,
+        };
+        if full {
             shards.push(Vec::new());
             size = 0;
         }
         size += gb;
+        before += gb;
         shards.last_mut().expect("one shard").extend(g);
     }
     let total: u64 = shards.iter().flatten().map(Spec::bytes).sum();
@@ -613,6 +698,15 @@ pub fn generate(preset: &str, seed: u64, out: &Path) -> Result<()> {
         let mut w = BufWriter::with_capacity(4 << 20, File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
         w.write_all(&(hbytes.len() as u64).to_le_bytes())?;
         w.write_all(&hbytes)?;
+        if sparse {
+            // The data as a hole: reads give zeros, the disk holds only the header.
+            let f = w.into_inner().map_err(|e| e.into_error())?;
+            f.set_len(8 + hbytes.len() as u64 + off).with_context(|| format!("extending {}", tmp.display()))?;
+            bar.inc(off);
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            continue;
+        }
         for s in shard {
             write_values(s, seed, &mut w)?;
             bar.inc(s.bytes());

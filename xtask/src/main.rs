@@ -16,13 +16,17 @@ struct Cli {
 enum Cmd {
     /// Write a K3-format checkpoint in the exact release layout.
     GenK3 {
-        /// tiny, small or slice (real expert size, several GB).
+        /// tiny, small, slice (real expert size, several GB), slice-hot, slice-mini, rand, or
+        /// k3 (the real model's full layout, 1.56 TB: only with --sparse).
         #[arg(long, default_value = "tiny")]
         preset: String,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         #[arg(long)]
         out: PathBuf,
+        /// Every weight zero, left unwritten (sparse files): the layout at almost no disk cost.
+        #[arg(long)]
+        sparse: bool,
     },
     /// Write a small Qwen3-architecture draft checkpoint (Hugging Face layout, real tokenizer).
     GenQwen3 {
@@ -93,7 +97,7 @@ enum Cmd {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::GenK3 { preset, seed, out } => xtask::gen_k3::generate(&preset, seed, &out),
+        Cmd::GenK3 { preset, seed, out, sparse } => xtask::gen_k3::generate_with(&preset, seed, &out, sparse),
         Cmd::GenQwen3 { seed, vocab_from, out } => xtask::gen_qwen3::generate(seed, vocab_from.as_deref(), &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
         Cmd::Bench { which, quick, json, limiter, base } => xtask::bench::run(which, quick, json.as_deref(), limiter, base.as_deref()),

@@ -52,6 +52,11 @@ fn non_test_sources(krate: &str) -> Vec<(PathBuf, String)> {
     sources(&format!("crates/{krate}/src"))
         .into_iter()
         .filter(|(p, _)| !p.ends_with("tests.rs") && !p.to_string_lossy().contains("/tests/"))
+        // A file's own `#[cfg(test)] mod tests` at its end is test code too.
+        .map(|(p, text)| match text.find("#[cfg(test)]\nmod tests") {
+            Some(at) => (p, text[..at].to_string()),
+            None => (p, text),
+        })
         .collect()
 }
 

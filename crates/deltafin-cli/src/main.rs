@@ -1,6 +1,7 @@
 //! `deltafin`: the command-line front end over the `deltafin-sched` API.
 
 mod batch;
+mod plan;
 mod run;
 mod serve;
 mod stats_json;
@@ -35,6 +36,8 @@ enum Cmd {
     Batch(batch::BatchArgs),
     /// Fetch into a stream store every expert a workload's prompts route, ahead of the workload.
     Warm(warm::WarmArgs),
+    /// Show what a model keeps in RAM and reads per token under a budget, and project its speed.
+    Plan(plan::PlanArgs),
 }
 
 fn main() {
@@ -48,6 +51,7 @@ fn main() {
         Cmd::Chat(a) => serve::run_chat(a),
         Cmd::Batch(a) => batch::run_batch(a),
         Cmd::Warm(a) => warm::run_warm(a),
+        Cmd::Plan(a) => plan::run_plan(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

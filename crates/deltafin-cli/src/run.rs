@@ -99,6 +99,7 @@ impl ModelArgs {
             .split_reads_min(if self.no_split_reads { u64::MAX } else { deltafin::DEFAULT_SPLIT_MIN })
             .cache_policy(if self.cache_policy == "lru" { deltafin::CachePolicy::Lru } else { deltafin::CachePolicy::NextUse })
             .draft(self.draft.clone())
+            .progress(std::sync::Arc::new(crate::store_cmds::Bars::new()))
             .open()
             .with_context(|| format!("opening model {}", self.model.display()))
     }

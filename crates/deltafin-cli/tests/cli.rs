@@ -44,8 +44,6 @@ fn bad_input_gets_clear_errors() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("/nonexistent/config.json"));
     let out = bin().args(["run", "--model"]).arg(&f).args(["--ids", "5000", "--max-new", "2"]).output().unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary"));
-    let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "x", "--ram-budget", "1G"]).output().unwrap();
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("deltafin setup"));
     let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "x", "--ram-budget", "lots"]).output().unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not a size"));
 }
@@ -299,4 +297,29 @@ fn a_killed_batch_resumes_to_the_uninterrupted_result() {
     let o = run(&tmp.path().join("x.jsonl"), &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("line 2") && err.contains("twice"), "{err}");
+}
+
+#[test]
+fn plan_projects_what_stays_resident_and_the_speed() {
+    let f = fixture();
+    let plan = |ram: &str, drives: &[&str]| {
+        let mut c = bin();
+        c.args(["plan", "--model"]).arg(&f).args(["--ram", ram, "--prompt-tokens", "64"]);
+        for d in drives {
+            c.args(["--drive", d]);
+        }
+        c.output().unwrap()
+    };
+    let out = plan("1G", &["1G"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("minimum RAM") && text.contains("decode") && text.contains("TTFT"), "{text}");
+    // A gigabyte holds every expert of the tiny model: nothing is read per token.
+    let cached = text.lines().find(|l| l.contains("expert cache")).unwrap();
+    let per_token = text.lines().find(|l| l.contains("per decode token")).unwrap();
+    assert!(cached.contains("100.0%") && per_token.contains(" 0.00 GB"), "{text}");
+    let out = plan("1M", &["1G"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("does not fit"));
+    let out = plan("1G", &[]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--drive"));
 }

@@ -68,7 +68,8 @@ fn an_incomplete_or_missing_cached_model_is_a_clear_error() {
     let repo = hf_cache(tmp.path());
     // An interrupted download: one shard's blob never arrived, its link dangles.
     let snap = repo.join("snapshots").join(COMMIT);
-    let shard = std::fs::read_dir(&snap).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().ends_with(".safetensors")).unwrap();
+    let shard =
+        std::fs::read_dir(&snap).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().ends_with(".safetensors")).unwrap();
     std::fs::remove_file(snap.join(std::fs::read_link(&shard).unwrap())).unwrap();
     let name = shard.file_name().unwrap().to_string_lossy().into_owned();
     for model in ["hf://acme/k3-tiny", "hf://acme/other", "hf://acme/k3-tiny@v9"] {

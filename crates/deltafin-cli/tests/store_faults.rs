@@ -363,3 +363,36 @@ fn the_context_limit_ends_generation_like_max_new() {
     assert_eq!(v["generated_tokens"], 4);
     assert_eq!(v["context_limit_reached"], true);
 }
+
+#[test]
+fn a_budget_on_a_checkpoint_folder_runs_through_a_checked_in_place_store() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    copy_dir(&fixture(), &ckpt);
+    let home = tmp.path().join("home");
+    let run = || {
+        let mut c = run_ids(&ckpt);
+        c.env("DELTAFIN_HOME", &home);
+        c
+    };
+    let out = run().output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), REFERENCE_GREEDY);
+    assert!(err.contains("checking every byte"), "{err}");
+    let stores: Vec<PathBuf> = std::fs::read_dir(home.join("in-place")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(stores.len(), 1);
+    assert!(dir_bytes(&stores[0]) < dir_bytes(&ckpt) / 10, "the store copied the model");
+    // Later runs use it as it is.
+    let out = run().output().unwrap();
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("checking"));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), REFERENCE_GREEDY);
+    // A changed byte is never blessed by a silent re-check; the advice re-checks on purpose.
+    let shard = ckpt.join("model-00003-of-000004.safetensors");
+    let h = deltafin_store::read_header(&shard, 0).unwrap();
+    flip(&shard, h["language_model.model.norm.weight"].offset + 3);
+    let err = fails(&mut run());
+    assert!(err.contains("changed since deltafin checked it") && err.contains("--reinstall"), "{err}");
+    follow_advice(&err);
+    ok(&mut run());
+}

@@ -14,9 +14,10 @@ use deltafin_store::ExpertSource;
 
 use crate::error::{Error, Result};
 use crate::sequence::Sequence;
-use crate::stats::{peak_rss_bytes, Stats};
+use crate::stats::Stats;
 use crate::step::{Phase, Slot};
 use deltafin_spec::{verify_greedy, CostGate, Drafter};
+use deltafin_store::peak_rss_bytes;
 
 /// How many of the last layer's expert reads are still outstanding when the next token's guess
 /// is made: it runs the logits and the next token's first layers (about twice a layer guess's

@@ -29,12 +29,13 @@ mod error;
 mod generator;
 mod kept;
 mod open;
+mod plan;
 mod sequence;
 mod stats;
 mod step;
 
 pub use deltafin_core::argmax;
-pub use deltafin_store::{CacheMode, CachePolicy};
+pub use deltafin_store::{peak_rss_bytes, CacheMode, CachePolicy};
 
 pub use crate::{
     batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, FinishReason, JobId},
@@ -43,7 +44,8 @@ pub use crate::{
     error::{Error, Result},
     generator::{Generator, OnToken, Output},
     open::{EngineBuilder, LoadedModel, MemoryPlan, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT},
+    plan::{model_sizes, ComputeRates, ModelSizes, Plan, PlanInput, LADDER_EFFICIENCY},
     sequence::Sequence,
-    stats::{peak_rss_bytes, Stats},
+    stats::Stats,
     step::{Phase, Slot, StepOutput},
 };

@@ -41,6 +41,17 @@ pub struct EngineBuilder {
     draft: Option<DraftWith>,
     max_sequences: usize,
     kept_states: usize,
+    progress: ProgressSink,
+}
+
+/// Where long work at open reports (opaque in `Debug`).
+#[derive(Clone)]
+struct ProgressSink(Arc<dyn deltafin_store::Progress>);
+
+impl std::fmt::Debug for ProgressSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Progress")
+    }
 }
 
 /// Where the RAM budget goes, in bytes.
@@ -75,7 +86,14 @@ impl EngineBuilder {
             draft: None,
             max_sequences: 1,
             kept_states: 1,
+            progress: ProgressSink(Arc::new(deltafin_store::NoProgress)),
         }
+    }
+    /// Where long work at open reports (the first budgeted open of a checkpoint folder checks
+    /// all of it).
+    pub fn progress(mut self, progress: Arc<dyn deltafin_store::Progress>) -> Self {
+        self.progress = ProgressSink(progress);
+        self
     }
     /// Prefetch next-layer experts guessed from the current layer's output (on by default; no
     /// effect on output).
@@ -93,7 +111,8 @@ impl EngineBuilder {
         self.context = tokens;
         self
     }
-    /// Bytes everything the engine holds must fit in (stores only).
+    /// Bytes everything the engine holds must fit in. A checkpoint folder opened with a budget
+    /// runs through its in-place store (`deltafin_store::checkpoint_store`), made on first use.
     pub fn ram_budget(mut self, bytes: Option<u64>) -> Self {
         self.ram_budget = bytes;
         self
@@ -194,11 +213,10 @@ impl EngineBuilder {
             return self.open_store();
         }
         if self.ram_budget.is_some() {
-            return Err(crate::Error::Invalid(format!(
-                "--ram-budget needs a store: {} is a checkpoint folder; install it first with `deltafin setup --full --from {} --out STORE`",
-                self.path.display(),
-                self.path.display()
-            )));
+            // Budgeted runs read every byte checked against a checksum, which a bare folder
+            // lacks: its in-place store holds them (made on first use, nothing copied).
+            self.path = deltafin_store::checkpoint_store(&self.path, self.progress.0.as_ref())?;
+            return self.open_store();
         }
         let ckpt = Arc::new(Checkpoint::open(&self.path)?);
         let (ranks, tok_config) = ckpt.tokenizer_texts()?;

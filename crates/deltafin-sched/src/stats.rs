@@ -145,18 +145,3 @@ impl Stats {
 fn mb(b: u64) -> f64 {
     b as f64 / 1e6
 }
-
-/// Peak resident set size of this process (getrusage; Linux reports KiB, macOS bytes).
-pub fn peak_rss_bytes() -> u64 {
-    // SAFETY: getrusage writes into the zeroed struct we pass.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
-        return 0;
-    }
-    let v = ru.ru_maxrss as u64;
-    if cfg!(target_os = "macos") {
-        v
-    } else {
-        v * 1024
-    }
-}

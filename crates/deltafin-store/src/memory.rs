@@ -188,6 +188,29 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// Peak resident set size of this process: on Linux its own high-water mark (`VmHWM`), not
+/// `ru_maxrss`, which keeps the forking parent's peak across fork and exec (a child of a 100 MB
+/// process would report 100 MB); elsewhere getrusage (macOS reports bytes).
+pub fn peak_rss_bytes() -> u64 {
+    #[cfg(target_os = "linux")]
+    if let Some(kb) = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+        s.lines().find_map(|l| l.strip_prefix("VmHWM:").and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()))
+    }) {
+        return kb * 1024;
+    }
+    // SAFETY: getrusage writes into the zeroed struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0;
+    }
+    let v = ru.ru_maxrss as u64;
+    if cfg!(target_os = "macos") {
+        v
+    } else {
+        v * 1024
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -108,13 +108,23 @@ impl Shards {
             expected: "a readable shard".into(),
             found: e.to_string(),
         })?;
-        Ok(TensorBytes {
-            name: name.to_string(),
-            file,
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            bytes: Bytes::new(map, t.offset as usize, t.len as usize),
-        })
+        let bytes = if t.len <= SMALL_TENSOR {
+            // Small tensors (norms, biases, conv weights: widened to f32 at load) are read, not
+            // touched through the map: a page fault there reads ahead megabytes around each one,
+            // 15 s of startup for K3's ~2,400 small tensors (measured on the sparse layout).
+            let mut v = vec![0u8; t.len as usize];
+            let read = File::open(&self.paths[t.shard]).and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut v, t.offset));
+            read.map_err(|e| deltafin_core::Error::BadTensor {
+                name: name.into(),
+                file: file.clone(),
+                expected: "a readable shard".into(),
+                found: e.to_string(),
+            })?;
+            Bytes::from_vec(v)
+        } else {
+            Bytes::new(map, t.offset as usize, t.len as usize)
+        };
+        Ok(TensorBytes { name: name.to_string(), file, dtype: t.dtype, shape: t.shape.clone(), bytes })
     }
 
     /// Bytes of all tensors (memory accounting).
@@ -122,6 +132,9 @@ impl Shards {
         self.tensors.values().map(|t| t.len).sum()
     }
 }
+
+/// Tensors up to this size are read from their shard rather than lent from its map.
+const SMALL_TENSOR: u64 = 256 << 10;
 
 /// Parses a safetensors header and checks every tensor fits in the file.
 pub fn read_header(path: &Path, shard: usize) -> Result<BTreeMap<String, TensorEntry>> {

@@ -35,9 +35,10 @@ pub use deltafin_core::{
     RESERVED,
 };
 pub use deltafin_sched::{
-    argmax, BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, CacheMode, CachePolicy, Cancel, DraftWith, Engine, EngineBuilder,
-    Error, FinishReason, GenerateOptions, Generator, JobId, LoadedModel, LogitRows, MemoryPlan, OnToken, Output, Phase, Result, Sequence,
-    Slot, Stats, Step, StepOutput, AUTO_DRAFT_DIR, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
+    argmax, model_sizes, BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, CacheMode, CachePolicy, Cancel, ComputeRates, DraftWith,
+    Engine, EngineBuilder, Error, FinishReason, GenerateOptions, Generator, JobId, LoadedModel, LogitRows, MemoryPlan, ModelSizes, OnToken,
+    Output, Phase, Plan, PlanInput, Result, Sequence, Slot, Stats, Step, StepOutput, AUTO_DRAFT_DIR, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT,
+    LADDER_EFFICIENCY,
 };
 pub use deltafin_spec::{Drafter, NgramDrafter};
 pub use deltafin_store::{

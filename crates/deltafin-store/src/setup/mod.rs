@@ -26,11 +26,13 @@
 //! (stream mode) is meant to be another, fetching spans by HTTP range.
 
 mod experts;
+mod implicit;
 mod readback;
 mod space;
 mod spine;
 mod stream;
 
+pub use implicit::{checkpoint_store, deltafin_home};
 pub use stream::{setup_stream, StreamOptions};
 
 use std::collections::{BTreeMap, HashMap};
