@@ -239,3 +239,44 @@ fn a_split_range_is_fetched_as_parts_side_by_side_and_reassembled_exactly() {
     remote.fetch_range_split(shard, offset, &mut again, deltafin_fetch::Priority::Demand).unwrap();
     assert!(again == got, "through faults");
 }
+
+#[test]
+fn a_background_fill_completes_the_store_while_it_runs_and_stops_at_the_disk_budget() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let want = ids(&fixture(), None).unwrap();
+    let expert = deltafin_store::Checkpoint::open(&fixture()).unwrap().config().expert_shape().total_bytes() as u64;
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    for budget in [None, Some(5usize)] {
+        let store = tmp.path().join(format!("{budget:?}"));
+        let mut o = options(&hub, &store, 0);
+        o.disk_budget = budget.map(|n| n as u64 * expert);
+        setup_stream(&o, &NoProgress).unwrap();
+        let streamed = deltafin_store::Store::open(&store).unwrap().hub_cache().unwrap().streamed().len();
+        let target = budget.unwrap_or(streamed);
+        let m = EngineBuilder::new(&store).ram_budget(Some(64 << 20)).background_fill(true).open().unwrap();
+        let mut seq = m.new_sequence();
+        let mut got = Vec::new();
+        m.engine()
+            .generate(&mut seq, &prompt(), &GenerateOptions::new(8), |t| {
+                got.push(t);
+                true
+            })
+            .unwrap();
+        assert_eq!(got, want, "{budget:?}: a run beside the fill");
+        // The fill goes on while the engine is open, and ends at the store's size or its budget.
+        let start = std::time::Instant::now();
+        while cached_files(&store) < target && start.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(cached_files(&store), target, "{budget:?}: cached after the fill");
+        drop(m);
+        if budget.is_none() {
+            // A filled store fetches nothing more.
+            let before = hub.stats().range_requests.load(Relaxed);
+            assert_eq!(ids(&store, Some(64 << 20)).unwrap(), want);
+            assert_eq!(hub.stats().range_requests.load(Relaxed), before, "a filled store fetched");
+        }
+    }
+}

@@ -46,6 +46,11 @@ pub struct ModelArgs {
     /// Keep the hottest experts of past runs pinned in RAM, up to this size (within the budget).
     #[arg(long, value_parser = crate::store_cmds::parse_size)]
     pub pin: Option<u64>,
+    /// With a stream store: fetch the experts not cached yet in the background while running,
+    /// with spare bandwidth (demand fetches go first), until the store is full or its disk
+    /// budget is reached (no effect on output).
+    #[arg(long)]
+    pub fill: bool,
     /// Draft tokens for K3 to verify (speculative decoding; the output is identical): `ngram`
     /// (prompt lookup over the text so far), the folder of a Qwen3 draft model (Hugging Face
     /// layout: config.json, safetensors, tokenizer.json), or `auto` (the model's `draft/`
@@ -99,6 +104,7 @@ impl ModelArgs {
             .split_reads_min(if self.no_split_reads { u64::MAX } else { deltafin::DEFAULT_SPLIT_MIN })
             .cache_policy(if self.cache_policy == "lru" { deltafin::CachePolicy::Lru } else { deltafin::CachePolicy::NextUse })
             .draft(self.draft.clone())
+            .background_fill(self.fill)
             .progress(std::sync::Arc::new(crate::store_cmds::Bars::new()))
             .open()
             .with_context(|| format!("opening model {}", self.model.display()))

@@ -42,6 +42,7 @@ pub struct EngineBuilder {
     max_sequences: usize,
     kept_states: usize,
     progress: ProgressSink,
+    background_fill: bool,
 }
 
 /// Where long work at open reports (opaque in `Debug`).
@@ -87,7 +88,15 @@ impl EngineBuilder {
             max_sequences: 1,
             kept_states: 1,
             progress: ProgressSink(Arc::new(deltafin_store::NoProgress)),
+            background_fill: false,
         }
+    }
+    /// With a stream store: fetch the experts it has not cached in the background while the
+    /// engine runs, with spare bandwidth (demand fetches go first), until it is full or its disk
+    /// budget is reached. No effect on output.
+    pub fn background_fill(mut self, on: bool) -> Self {
+        self.background_fill = on;
+        self
     }
     /// Where long work at open reports (the first budgeted open of a checkpoint folder checks
     /// all of it).
@@ -308,6 +317,7 @@ impl EngineBuilder {
             policy: self.policy,
             split_min: self.split_min,
             read_caps: self.read_caps.clone(),
+            background_fill: self.background_fill,
         })?;
         let model = Model::load_with(cfg, &store, self.compute())?;
         let store = Arc::new(store);

@@ -253,6 +253,8 @@ pub struct HubCache {
     disk_budget: Option<u64>,
     pub stats: HubCacheStats,
     tmp_counter: AtomicU64,
+    /// Set to end a fill early (the engine it filled for was dropped).
+    stop: std::sync::atomic::AtomicBool,
 }
 
 fn other(e: impl std::fmt::Display) -> std::io::Error {
@@ -313,6 +315,7 @@ impl HubCache {
             disk_budget: record.disk_budget,
             stats: HubCacheStats::default(),
             tmp_counter: AtomicU64::new(0),
+            stop: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -561,8 +564,8 @@ impl HubCache {
                 });
             }
             let fetched = drain(runs, connections, |run, _| {
-                if failed.lock().expect("poisoned").is_some() {
-                    // The publishers' error is returned below; stop fetching for nothing.
+                if failed.lock().expect("poisoned").is_some() || self.stop.load(Ordering::Relaxed) {
+                    // The publishers' error is returned below; or the fill was called off.
                     return Ok(());
                 }
                 let shard: std::sync::Arc<str> = run.shard.as_str().into();
@@ -582,9 +585,62 @@ impl HubCache {
     /// Fetches every expert not cached yet (a stream store becomes a full one) at background
     /// priority, so demand reads of a running engine go first.
     pub fn fill(&self, progress: &dyn crate::setup::Progress) -> Result<()> {
-        let todo: Vec<(String, u64, u64)> =
+        let mut todo: Vec<(String, u64, u64)> =
             self.spans.keys().flat_map(|s| self.missing(s).into_iter().map(move |(o, l)| (s.clone(), o, l))).collect();
+        if let Some(budget) = self.disk_budget {
+            // Under a disk budget smaller than the model, fill up to it and stop: fetching past
+            // it would only evict what was just fetched.
+            let mut room = budget.saturating_sub(self.cached().0);
+            todo.sort();
+            todo.retain(|t| match room.checked_sub(t.2) {
+                Some(r) => {
+                    room = r;
+                    true
+                }
+                None => false,
+            });
+        }
         self.fetch_many(todo, FetchPriority::Background, "fill", progress)
+    }
+
+    /// Fills in the background with spare bandwidth (the hub admits demand requests first)
+    /// until the store is full, its disk budget reached, or the returned guard dropped. A fill
+    /// error is reported and ends the fill; runs go on fetching on demand.
+    pub fn fill_in_background(self: &std::sync::Arc<Self>) -> FillGuard {
+        let cache = self.clone();
+        std::thread::spawn(move || {
+            if let Err(e) = cache.fill(&crate::setup::NoProgress) {
+                if !cache.stop.load(Ordering::Relaxed) {
+                    eprintln!("deltafin: background fill stopped: {e}; experts are still fetched as runs need them");
+                }
+            }
+        });
+        FillGuard(self.clone())
+    }
+}
+
+/// Ends a background fill when dropped (runs already fetching finish and are published).
+pub struct FillGuard(std::sync::Arc<HubCache>);
+
+impl Drop for FillGuard {
+    fn drop(&mut self) {
+        self.0.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The cache as the engine reads it, with the background fill (if any) that ends with it.
+pub(crate) struct EngineCache {
+    pub cache: std::sync::Arc<HubCache>,
+    /// Held only to end the fill with the engine.
+    pub _fill: Option<FillGuard>,
+}
+
+impl DriveIo for EngineCache {
+    fn read(&self, home: usize, path: &Path, offset: u64, len: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.cache.read(home, path, offset, len, buf)
+    }
+    fn self_checked(&self) -> bool {
+        self.cache.self_checked()
     }
 }
 

@@ -181,10 +181,11 @@ impl Store {
     pub fn experts(&self, opts: ReaderOptions) -> Result<StreamingExperts> {
         let (m, shape, advice) = (self.manifest.clone(), self.config.expert_shape(), self.manifest.advice(&self.dir));
         if self.manifest.layout == crate::manifest::LAYOUT_STREAM {
-            let cache = self.hub_cache()?;
+            let cache = std::sync::Arc::new(self.hub_cache()?);
+            let fill = opts.background_fill.then(|| cache.fill_in_background());
             // Requests in flight to the hub (each its own connection).
             let opts = ReaderOptions { queue_depth: opts.queue_depth.max(4), ..opts };
-            return StreamingExperts::start_with(m, shape, opts, advice, Box::new(cache));
+            return StreamingExperts::start_with(m, shape, opts, advice, Box::new(crate::hub_cache::EngineCache { cache, _fill: fill }));
         }
         StreamingExperts::start(m, shape, opts, advice)
     }

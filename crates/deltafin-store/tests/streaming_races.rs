@@ -66,6 +66,7 @@ fn cancelled_and_redemanded_guesses_never_strand_a_demand() {
                 // cancelled guesses are still running when their experts are demanded again.
                 split_min: 4096,
                 read_caps: vec![8_000_000; 3],
+                background_fill: false,
             })
             .unwrap();
         let mut rng = Lcg(budget_experts);

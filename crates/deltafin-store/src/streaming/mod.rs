@@ -57,6 +57,9 @@ pub struct ReaderOptions {
     /// the next slot of its home's byte clock and returns no earlier than the slot's end, so a
     /// home never delivers more than its cap, whatever the disk under it does.
     pub read_caps: Vec<u64>,
+    /// A stream store fetches the experts it has not cached in the background, with spare
+    /// bandwidth, while the engine runs (no effect on other stores).
+    pub background_fill: bool,
 }
 
 /// Eviction policy of the expert cache.
