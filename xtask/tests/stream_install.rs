@@ -280,3 +280,25 @@ fn a_background_fill_completes_the_store_while_it_runs_and_stops_at_the_disk_bud
         }
     }
 }
+
+#[test]
+fn a_stream_cache_spreads_over_its_homes() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let want = ids(&fixture(), None).unwrap();
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    let homes = [tmp.path().join("ssd0"), tmp.path().join("ssd1")];
+    let mut o = options(&hub, &store, 0);
+    o.homes = homes.to_vec();
+    o.fill = true;
+    setup_stream(&o, &NoProgress).unwrap();
+    let streamed = deltafin_store::Store::open(&store).unwrap().hub_cache().unwrap().streamed().len();
+    let per_home: Vec<usize> = homes.iter().map(|h| walk(h).len()).collect();
+    assert_eq!(per_home.iter().sum::<usize>(), streamed, "{per_home:?}");
+    assert!(per_home.iter().all(|&n| n >= streamed / 4), "uneven spread {per_home:?}");
+    assert_eq!(cached_files(&store), 0, "nothing cached in the store's own folder");
+    let before = hub.stats().range_requests.load(Relaxed);
+    assert_eq!(ids(&store, Some(64 << 20)).unwrap(), want);
+    assert_eq!(hub.stats().range_requests.load(Relaxed), before, "a filled store fetched");
+}

@@ -69,7 +69,8 @@ pub struct SetupArgs {
     /// The store folder to create (spine, manifest).
     #[arg(long)]
     pub out: PathBuf,
-    /// A folder on a drive to hold experts; repeat for several drives (default: the store).
+    /// A folder on a drive to hold experts (with --stream: the expert cache, spread over the
+    /// folders given); repeat for several drives (default: the store).
     #[arg(long = "home")]
     pub homes: Vec<PathBuf>,
     /// Read experts from the checkpoint's shards where they are instead of copying them.
@@ -86,8 +87,8 @@ pub struct SetupArgs {
 
 pub fn run_setup(a: SetupArgs) -> Result<()> {
     if a.stream {
-        if a.in_place || !a.homes.is_empty() || a.copies != 1 {
-            bail!("--stream keeps experts in the store's cache; --in-place, --home and --copies apply to --full installs");
+        if a.in_place || a.copies != 1 {
+            bail!("--stream keeps one copy of each expert in its cache (spread over --home folders if given); --in-place and --copies apply to --full installs");
         }
         let cached = deltafin::resolve_model_dir(std::path::Path::new(&a.from));
         if let (true, Ok(dir)) = (a.from.starts_with("hf://"), cached) {
@@ -100,6 +101,7 @@ pub fn run_setup(a: SetupArgs) -> Result<()> {
         }
         let mut opts = deltafin::StreamOptions::new(a.from.clone(), &a.out);
         opts.disk_budget = a.disk_budget;
+        opts.homes = a.homes.clone();
         opts.fill = a.fill;
         opts.reinstall = a.reinstall;
         if let Some(w) = a.whole_shard_max {

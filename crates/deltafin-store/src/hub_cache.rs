@@ -203,6 +203,10 @@ pub struct HubRecord {
     pub files: Vec<HubFile>,
     /// Bytes the expert cache may take on disk (`None`: no limit).
     pub disk_budget: Option<u64>,
+    /// Folders on the drives (`--home`) the cached experts are spread over, each expert in one
+    /// chosen by its position; empty: the store's own `deltafin-cache/`.
+    #[serde(default)]
+    pub cache_dirs: Vec<PathBuf>,
 }
 
 impl HubRecord {
@@ -243,7 +247,8 @@ pub struct HubCacheStats {
 
 /// The stream store's expert cache: a [`DriveIo`] whose misses are fetched from the hub.
 pub struct HubCache {
-    dir: PathBuf,
+    /// Where cached experts live (one folder per drive), each expert in [`HubCache::dir_of`].
+    dirs: Vec<PathBuf>,
     skeleton: PathBuf,
     hub: Hub,
     files: HashMap<String, HubFile>,
@@ -265,8 +270,13 @@ impl HubCache {
     /// Opens the cache of the stream store at `store` (scanning what earlier runs published and
     /// removing temporary files a crash left).
     pub fn open(store: &Path, manifest: &Manifest, record: &HubRecord) -> Result<HubCache> {
-        let dir = store.join(CACHE_DIR);
-        std::fs::create_dir_all(&dir).map_err(Error::io(&dir))?;
+        let dirs = if record.cache_dirs.is_empty() { vec![store.join(CACHE_DIR)] } else { record.cache_dirs.clone() };
+        for dir in &dirs {
+            std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+                path: dir.clone(),
+                source: std::io::Error::new(e.kind(), format!("{e} (a stream store's expert cache folder: is its drive mounted?)")),
+            })?;
+        }
         let mut spans: HashMap<String, BTreeMap<u64, u64>> = HashMap::new();
         for e in &manifest.experts {
             for c in e.copies.iter().filter(|c| c.home != WHOLE_SHARD_HOME) {
@@ -274,8 +284,7 @@ impl HubCache {
             }
         }
         let mut found: Vec<(SystemTime, String, u64, Cached)> = Vec::new();
-        for shard in spans.keys() {
-            let d = dir.join(shard);
+        for (shard, d) in spans.keys().flat_map(|s| dirs.iter().map(move |d| (s, d.join(s)))) {
             let Ok(rd) = std::fs::read_dir(&d) else { continue };
             for ent in rd.flatten() {
                 let name = ent.file_name().to_string_lossy().into_owned();
@@ -306,7 +315,7 @@ impl HubCache {
             st.entries.insert((shard, offset), c);
         }
         Ok(HubCache {
-            dir,
+            dirs,
             skeleton: store.join(HUB_DIR),
             hub: record.connect()?,
             files: record.files.iter().map(|f| (f.path.clone(), f.clone())).collect(),
@@ -320,7 +329,7 @@ impl HubCache {
     }
 
     fn expert_path(&self, shard: &str, offset: u64, xxh3: &str) -> PathBuf {
-        self.dir.join(shard).join(format!("{offset}.{xxh3}"))
+        self.dir_of(shard, offset).join(shard).join(format!("{offset}.{xxh3}"))
     }
 
     /// Every expert this cache streams, as `(shard, offset, len)`, in shard order.
@@ -379,9 +388,19 @@ impl HubCache {
         let _ = std::fs::remove_file(self.expert_path(&key.0, key.1, xxh3));
     }
 
+    /// The cache folder of the expert at `offset` of `shard`: one of the drives', by a hash of
+    /// its position, so experts (and their reads) spread evenly and each has one place.
+    fn dir_of(&self, shard: &str, offset: u64) -> &Path {
+        if self.dirs.len() == 1 {
+            return &self.dirs[0];
+        }
+        let h = xxhash_rust::xxh3::xxh3_64_with_seed(shard.as_bytes(), offset);
+        &self.dirs[(h % self.dirs.len() as u64) as usize]
+    }
+
     /// Publishes `bytes` as the expert at `offset` of `shard` (see the module doc).
     fn publish(&self, shard: &str, offset: u64, bytes: &[u8]) -> Result<()> {
-        let d = self.dir.join(shard);
+        let d = self.dir_of(shard, offset).join(shard);
         std::fs::create_dir_all(&d).map_err(Error::io(&d))?;
         let sum = checksum(bytes);
         let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
@@ -450,7 +469,7 @@ impl HubCache {
             let mut b = vec![0u8; len as usize];
             if !self.read_cached(shard, off, &mut b) {
                 return Err(Error::format(
-                    self.dir.join(shard),
+                    self.dir_of(shard, off).join(shard),
                     format!("expert at offset {off} went missing while the shard was checked"),
                 ));
             }

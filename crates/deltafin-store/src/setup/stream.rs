@@ -32,6 +32,8 @@ pub struct StreamOptions {
     pub out: PathBuf,
     /// Bytes the expert cache may take on disk.
     pub disk_budget: Option<u64>,
+    /// Folders on drives to spread the expert cache over (default: the store's own folder).
+    pub homes: Vec<PathBuf>,
     /// Fetch every expert now (the store becomes a full one).
     pub fill: bool,
     pub reinstall: bool,
@@ -48,6 +50,7 @@ impl StreamOptions {
             from: from.into(),
             out: out.into(),
             disk_budget: None,
+            homes: Vec::new(),
             fill: false,
             reinstall: false,
             hub: HubConfig::from_env(),
@@ -107,8 +110,15 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
     for f in &files {
         id.update(format!("{} {} {:?} {:?}\n", f.path, f.size, f.sha256, f.git_oid).as_bytes());
     }
-    let record =
-        SetupRecord { source, source_id: format!("{:032x}", id.digest128()), layout: LAYOUT_STREAM.into(), homes: vec![], copies: 1 };
+    let mut homes = Vec::new();
+    for h in &opts.homes {
+        std::fs::create_dir_all(h).map_err(Error::io(h))?;
+        homes.push(std::fs::canonicalize(h).map_err(Error::io(h))?);
+    }
+    // Each store its own folder in a home, so two stores never evict each other's experts.
+    let store_key = format!("{}-{:016x}", r.repo.replace('/', "--"), xxhash_rust::xxh3::xxh3_64(out_abs.as_os_str().as_encoded_bytes()));
+    let cache_dirs: Vec<PathBuf> = homes.iter().map(|h| h.join(CACHE_DIR).join(&store_key)).collect();
+    let record = SetupRecord { source, source_id: format!("{:032x}", id.digest128()), layout: LAYOUT_STREAM.into(), homes, copies: 1 };
     let earlier_spine: HashMap<String, String> =
         previous(out, &record, opts.reinstall)?.iter().flat_map(|m| m.spine.iter().map(|(n, t)| (n.clone(), t.xxh3.clone()))).collect();
     write_sealed(&out.join(SETUP_RECORD), &record)?;
@@ -121,6 +131,7 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
         commit: hub.commit().into(),
         files: files.clone(),
         disk_budget: opts.disk_budget,
+        cache_dirs,
     };
     write_sealed(&out.join(HUB_RECORD), &hub_record)?;
 
