@@ -213,9 +213,10 @@ pub fn run(a: RunArgs) -> Result<()> {
     if a.stats {
         if let Some(p) = model.memory_plan() {
             eprintln!(
-                "RAM budget {:.1} MB: spine {:.1} MB, sequence state {:.1} MB, working {:.1} MB, draft {:.1} MB, experts {:.1} MB",
+                "RAM budget {:.1} MB: spine {:.1} MB{}, sequence state {:.1} MB, working {:.1} MB, draft {:.1} MB, experts {:.1} MB",
                 p.budget as f64 / 1e6,
                 p.spine as f64 / 1e6,
+                if p.streamed_layers > 0 { format!(" ({} layers read each pass)", p.streamed_layers) } else { String::new() },
                 p.sequence_state as f64 / 1e6,
                 p.working as f64 / 1e6,
                 p.draft as f64 / 1e6,

@@ -396,3 +396,37 @@ fn a_budget_on_a_checkpoint_folder_runs_through_a_checked_in_place_store() {
     follow_advice(&err);
     ok(&mut run());
 }
+
+#[test]
+fn a_spine_that_does_not_fit_is_read_per_pass_checked_with_identical_ids() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    ok(&mut setup_cmd(&fixture(), &store, &[]));
+    let run = |budget: &str| {
+        let mut c = bin();
+        c.args(["run", "--model"]).arg(&store).args(["--ids", PROMPT_IDS, "--max-new", "16", "--print-ids", "--stats"]);
+        c.args(["--ram-budget", budget]);
+        c
+    };
+    // From the whole spine resident down to every layer read each pass: the same ids.
+    let mut streamed = Vec::new();
+    for budget in ["32M", "28M", "27M", "26.1M"] {
+        let out = run(budget).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{budget}: {err}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), REFERENCE_GREEDY, "{budget}");
+        let n: usize =
+            err.split(" layers read each pass").next().and_then(|h| h.rsplit('(').next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+        streamed.push(n);
+    }
+    assert_eq!(streamed[0], 0);
+    assert!(streamed.windows(2).all(|w| w[0] <= w[1]) && streamed[3] == 10, "{streamed:?}");
+    // Below the minimum: an error stating it and what it is made of.
+    let err = fails(&mut run("8M"));
+    assert!(err.contains("two streamed spine layers") && err.contains("needs at least"), "{err}");
+    // A streamed layer is checked as it is read each pass.
+    let t = &manifest(&store).spine["language_model.model.layers.5.self_attn.o_proj.weight"];
+    flip(&store.join("spine.bin"), t.offset + 7);
+    let err = fails(&mut run("26.1M"));
+    assert!(err.contains("layers.5.self_attn.o_proj.weight") && err.contains("checksum"), "{err}");
+}

@@ -102,13 +102,26 @@ pub struct Engine {
     /// How often the next token's guess started from the right token (kept across generations:
     /// it describes how predictable the model and its text are).
     agreement: std::sync::Mutex<Agreement>,
+    /// Spine layers read per pass (the budget could not hold the whole spine).
+    spine: Option<crate::spine::SpineStream>,
 }
 
 impl Engine {
     /// Wraps a loaded spine and an expert source.
     pub fn new(model: Model, experts: Arc<dyn ExpertSource>, options: EngineOptions) -> Engine {
         let moe_layers = model.config().moe_layers();
-        Engine { model, experts, options, moe_layers, agreement: Default::default() }
+        Engine { model, experts, options, moe_layers, agreement: Default::default(), spine: None }
+    }
+
+    /// With the spine layers that did not fit the budget streamed by `spine`.
+    pub(crate) fn with_spine(mut self, spine: crate::spine::SpineStream) -> Engine {
+        self.spine = Some(spine);
+        self
+    }
+
+    /// The streamed spine layers, if any.
+    pub(crate) fn spine(&self) -> Option<&crate::spine::SpineStream> {
+        self.spine.as_ref()
     }
 
     /// The spine.

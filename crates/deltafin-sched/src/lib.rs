@@ -31,6 +31,7 @@ mod kept;
 mod open;
 mod plan;
 mod sequence;
+mod spine;
 mod stats;
 mod step;
 

@@ -67,6 +67,9 @@ pub struct MemoryPlan {
     /// Sequences kept between generations for reuse ([`EngineBuilder::kept_states`]).
     pub kept: u64,
     pub experts: u64,
+    /// Spine layers read from the store each pass (the budget cannot hold them); `spine` is
+    /// then what stays resident plus two such layers' buffers.
+    pub streamed_layers: usize,
 }
 
 impl EngineBuilder {
@@ -262,6 +265,8 @@ impl EngineBuilder {
         let expert_len = cfg.expert_shape().total_bytes() as u64;
         let all_experts = (cfg.moe_layers().len() * cfg.num_experts) as u64
             * deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
+        // Spine layers read per pass instead of held (none unless the budget is short).
+        let mut streamed = vec![false; cfg.num_layers];
         let plan = match self.ram_budget {
             None => {
                 let chunk = self.options.prefill_chunk.unwrap_or(self.context);
@@ -273,33 +278,59 @@ impl EngineBuilder {
                     draft,
                     kept,
                     experts: all_experts,
+                    streamed_layers: 0,
                 }
             }
             Some(budget) => {
                 let chunk = *self.options.prefill_chunk.get_or_insert(DEFAULT_BUDGET_CHUNK);
                 // A step runs one prompt chunk beside the other sequences' decode rows.
                 let working = EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context);
-                let fixed = spine + state + working + draft + kept;
-                let min = fixed + StreamingExperts::min_budget(cfg.expert_shape());
-                if budget < min {
-                    return Err(StoreError::BudgetTooSmall {
-                        budget,
-                        minimum: min,
-                        why: format!(
-                            "spine {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + kept states {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
-                            spine as f64 / 1e6,
-                            self.max_sequences,
-                            self.context,
-                            state as f64 / 1e6,
-                            kept as f64 / 1e6,
-                            working as f64 / 1e6,
-                            draft as f64 / 1e6,
-                            expert_len as f64 / 1e6
-                        ),
+                let one_expert = StreamingExperts::min_budget(cfg.expert_shape());
+                let others = state + working + draft + kept;
+                let (spine_resident, resident) = if budget >= spine + others + one_expert {
+                    (spine, vec![true; cfg.num_layers])
+                } else {
+                    // The spine does not fit: layers that do not are read each pass, two at a time
+                    // at most (the one running, the next read ahead).
+                    let layer_bytes: Vec<u64> = (0..cfg.num_layers).map(|l| store.layer_spine_bytes(l)).collect();
+                    let top = spine - layer_bytes.iter().sum::<u64>();
+                    let buffers = crate::spine::two_layers(&layer_bytes);
+                    let min = top + buffers + others + one_expert;
+                    if budget < min {
+                        return Err(StoreError::BudgetTooSmall {
+                            budget,
+                            minimum: min,
+                            why: format!(
+                                "embedding, output head and norms {:.1} MB + two streamed spine layers {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + kept states {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
+                                top as f64 / 1e6,
+                                buffers as f64 / 1e6,
+                                self.max_sequences,
+                                self.context,
+                                state as f64 / 1e6,
+                                kept as f64 / 1e6,
+                                working as f64 / 1e6,
+                                draft as f64 / 1e6,
+                                expert_len as f64 / 1e6
+                            ),
+                        }
+                        .into());
                     }
-                    .into());
+                    // What the layers may keep: the budget less everything else, leaving the
+                    // experts at least what they would have with the whole spine streamed.
+                    let (resident, kept_bytes) = crate::spine::choose_resident(&layer_bytes, budget - min);
+                    (top + buffers + kept_bytes, resident)
+                };
+                streamed = resident.iter().map(|r| !r).collect();
+                MemoryPlan {
+                    budget,
+                    spine: spine_resident,
+                    sequence_state: state,
+                    working,
+                    draft,
+                    kept,
+                    experts: budget - spine_resident - others,
+                    streamed_layers: streamed.iter().filter(|s| **s).count(),
                 }
-                MemoryPlan { budget, spine, sequence_state: state, working, draft, kept, experts: budget - fixed }
             }
         };
         // The hot tier: the hottest experts from past runs, up to pin_bytes (within the budget).
@@ -308,7 +339,8 @@ impl EngineBuilder {
         heat.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         let per = deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
         let pinned: Vec<(usize, u32)> = heat.into_iter().take((pin_cap / per) as usize).map(|(k, _)| k).collect();
-        store.load_spine()?;
+        let layer_prefixes: Vec<String> = (0..cfg.num_layers).filter(|&l| streamed[l]).map(Model::layer_prefix).collect();
+        store.load_spine_resident(&|name| !layer_prefixes.iter().any(|p| name.starts_with(p)))?;
         let experts = store.experts(ReaderOptions {
             queue_depth: self.queue_depth,
             cache_mode: self.cache_mode,
@@ -319,10 +351,14 @@ impl EngineBuilder {
             read_caps: self.read_caps.clone(),
             background_fill: self.background_fill,
         })?;
-        let model = Model::load_with(cfg, &store, self.compute())?;
+        let model = Model::load_resident(cfg, &store, self.compute(), &|l| !streamed[l])?;
         let store = Arc::new(store);
+        let mut engine = Engine::new(model, Arc::new(experts), self.options);
+        if streamed.iter().any(|s| *s) {
+            engine = engine.with_spine(crate::spine::SpineStream::start(store.clone(), streamed));
+        }
         Ok(LoadedModel {
-            engine: Engine::new(model, Arc::new(experts), self.options),
+            engine,
             tokenizer,
             context: self.context,
             max_sequences: self.max_sequences,

@@ -103,6 +103,8 @@ pub struct ModelSizes {
     pub spine_bytes: u64,
     /// The embedding table (read by row, not multiplied).
     pub embed_bytes: u64,
+    /// Each layer's spine tensors (what a streamed layer reads per pass).
+    pub layer_bytes: Vec<u64>,
 }
 
 /// A plan, ready to print.
@@ -110,7 +112,11 @@ pub struct ModelSizes {
 pub struct Plan {
     pub minimum_ram: u64,
     pub fits: bool,
+    /// Spine held in RAM (with the buffers of two streamed layers when some stream).
     pub spine_bytes: u64,
+    /// Spine bytes read each pass (streamed layers).
+    pub spine_read_per_pass: f64,
+    pub streamed_layers: usize,
     pub state_bytes: u64,
     pub working_bytes: u64,
     pub cached_experts: u64,
@@ -141,9 +147,22 @@ impl Plan {
         let working_bytes = EngineBuilder::working_bytes(cfg, chunk, input.context);
         // Reads in flight: one layer's worth of experts.
         let in_flight = cfg.experts_per_token as u64 * charge;
-        let fixed = m.spine_bytes + state_bytes + working_bytes + in_flight;
+        let others = state_bytes + working_bytes + in_flight;
+        // As the engine does at open: the whole spine if it fits, else the layers that fit
+        // resident and the rest read each pass, two layers' buffers reserved.
+        let layers_total: u64 = m.layer_bytes.iter().sum();
+        let top = m.spine_bytes - layers_total;
+        let buffers = crate::spine::two_layers(&m.layer_bytes);
+        let (minimum_ram, resident_spine, spine_read_per_pass, streamed_layers) = if input.ram >= m.spine_bytes + others {
+            (top + buffers + others, m.spine_bytes, 0, 0)
+        } else {
+            let min = top + buffers + others;
+            let (resident, kept) = crate::spine::choose_resident(&m.layer_bytes, input.ram.saturating_sub(min));
+            let read: u64 = m.layer_bytes.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b).sum();
+            (min, top + buffers + kept, read, resident.iter().filter(|r| !**r).count())
+        };
         let total_experts = (moe * e) as u64;
-        let cached_experts = (input.ram.saturating_sub(fixed) / charge).min(total_experts);
+        let cached_experts = (input.ram.saturating_sub(resident_spine + others) / charge).min(total_experts);
         let miss = 1.0 - cached_experts as f64 / total_experts.max(1) as f64;
         let expert_bytes_per_token = moe * k * miss * expert_len;
         // Distinct experts a prompt routes per layer (uniform routing), each read once.
@@ -155,10 +174,14 @@ impl Plan {
         let matmul_spine = (m.spine_bytes - m.embed_bytes) as f64;
         let decode_compute_s = moe * k * rates.expert_token_s + matmul_spine / rates.spine_decode_bytes_s;
         let prefill_compute_s = p * (moe * k * rates.expert_prompt_token_s + matmul_spine / rates.spine_prompt_bytes_s);
+        // A prompt runs in chunks; each chunk's pass reads the streamed layers once.
+        let chunks = input.prompt_tokens.div_ceil(chunk).max(1) as f64;
         Plan {
-            minimum_ram: fixed,
-            fits: input.ram >= fixed,
-            spine_bytes: m.spine_bytes,
+            minimum_ram,
+            fits: input.ram >= minimum_ram,
+            spine_bytes: resident_spine,
+            spine_read_per_pass: spine_read_per_pass as f64,
+            streamed_layers,
             state_bytes,
             working_bytes,
             cached_experts,
@@ -166,9 +189,9 @@ impl Plan {
             expert_bytes_per_token,
             prefill_expert_bytes,
             read_bytes_s,
-            decode_read_s: expert_bytes_per_token / read_bytes_s,
+            decode_read_s: (expert_bytes_per_token + spine_read_per_pass as f64) / read_bytes_s,
             decode_compute_s,
-            prefill_read_s: prefill_expert_bytes / read_bytes_s,
+            prefill_read_s: (prefill_expert_bytes + chunks * spine_read_per_pass as f64) / read_bytes_s,
             prefill_compute_s,
             read_efficiency: eff,
             efficiency_measured: input.read_efficiency.is_none(),
@@ -192,8 +215,11 @@ impl Plan {
         let gb = |b: f64| b / 1e9;
         let mut s = String::new();
         let _ = writeln!(s, "resident (RAM):");
-        let _ =
-            writeln!(s, "  spine            {:>9.2} GB  (all of it: spine streaming is not implemented yet)", gb(self.spine_bytes as f64));
+        let how = match self.streamed_layers {
+            0 => "all of it".to_string(),
+            n => format!("{n} layers read each pass, two at a time"),
+        };
+        let _ = writeln!(s, "  spine            {:>9.2} GB  ({how})", gb(self.spine_bytes as f64));
         let _ = writeln!(s, "  sequence state   {:>9.2} GB", gb(self.state_bytes as f64));
         let _ = writeln!(s, "  working memory   {:>9.2} GB", gb(self.working_bytes as f64));
         let _ = writeln!(
@@ -206,7 +232,7 @@ impl Plan {
         );
         let _ = writeln!(
             s,
-            "  minimum RAM      {:>9.2} GB  (spine + state + working memory + one layer of reads in flight)",
+            "  minimum RAM      {:>9.2} GB  (embedding, head, norms + two spine layers + state + working memory + one layer of expert reads)",
             gb(self.minimum_ram as f64)
         );
         if !self.fits {
@@ -215,7 +241,11 @@ impl Plan {
         }
         let _ = writeln!(s, "reads:");
         let _ = writeln!(s, "  expert bytes per decode token  {:>9.2} GB  (routing assumed uniform)", gb(self.expert_bytes_per_token));
-        let _ = writeln!(s, "  spine bytes read per token     {:>9.2} GB  (resident)", 0.0);
+        let _ = writeln!(
+            s,
+            "  spine bytes read per token     {:>9.2} GB  (each pass; a prompt reads them once per chunk)",
+            gb(self.spine_read_per_pass)
+        );
         let _ = writeln!(
             s,
             "  expert bytes for a {}-token prompt  {:.1} GB (each expert read once per layer)",
@@ -263,11 +293,22 @@ pub fn model_sizes(path: &std::path::Path) -> crate::Result<ModelSizes> {
         let s = deltafin_store::Store::open(&path)?;
         let m = s.manifest();
         let embed_bytes = m.spine.get(&embed).map_or(0, |t| t.len);
-        return Ok(ModelSizes { config: s.config().clone(), spine_bytes: m.spine_bytes, embed_bytes });
+        let layer_bytes = (0..s.config().num_layers).map(|l| s.layer_spine_bytes(l)).collect();
+        return Ok(ModelSizes { config: s.config().clone(), spine_bytes: m.spine_bytes, embed_bytes, layer_bytes });
     }
     let c = deltafin_store::Checkpoint::open(&path)?;
     let lm = |n: &str| n.starts_with(deltafin_core::LM_PREFIX) && !n.contains(".experts.");
     let spine_bytes = c.tensors().iter().filter(|(n, _)| lm(n)).map(|(_, t)| t.len).sum();
     let embed_bytes = c.tensors().get(&embed).map_or(0, |t| t.len);
-    Ok(ModelSizes { config: c.config().clone(), spine_bytes, embed_bytes })
+    let mut layer_bytes = vec![0u64; c.config().num_layers];
+    for (n, t) in c.tensors().iter().filter(|(n, _)| lm(n)) {
+        let layer = n
+            .strip_prefix(&format!("{}model.layers.", deltafin_core::LM_PREFIX))
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        if let Some(l) = layer.filter(|&l| l < layer_bytes.len()) {
+            layer_bytes[l] += t.len;
+        }
+    }
+    Ok(ModelSizes { config: c.config().clone(), spine_bytes, embed_bytes, layer_bytes })
 }

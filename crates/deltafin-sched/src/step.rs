@@ -164,9 +164,14 @@ impl Engine {
         let mut res: Vec<Residual> = slots.iter().map(|s| model.embed(s.ids).map(Residual::new)).collect::<std::result::Result<_, _>>()?;
         // Prefetch pays only in decode (a prompt step demands most experts anyway), for a lone row.
         let lone_decode = slots.len() == 1 && slots[0].ids.len() == 1 && !slots[0].seq.transient;
+        let spine = self.spine();
+        let _pass = spine.map(|s| s.pass());
         for l in 0..cfg.num_layers {
             if cancel.is_some_and(Cancel::is_cancelled) {
                 return Err(Error::Cancelled);
+            }
+            if let Some(s) = spine {
+                s.ensure(model, l)?;
             }
             let mut x: Option<Mat> = None;
             for (i, s) in slots.iter_mut().enumerate() {
@@ -217,6 +222,9 @@ impl Engine {
                 }
                 row += n;
             }
+            if let Some(s) = spine {
+                s.release(model, l);
+            }
         }
         Ok((res, report, hidden))
     }
@@ -255,8 +263,9 @@ impl Engine {
                     let out = model.moe_finish(l, combine.partial(), shared.clone());
                     // A guess that cannot run (a full context) only means no prefetch.
                     if lookahead {
-                        if let Ok(routes) = model.guess_routes(l + 1, &mut g.layers[l + 1], g.res, &out) {
-                            self.experts().prefetch(l + 1, &routes[0].experts);
+                        // No routes: the next layer is streamed and not read yet (no guess).
+                        if let Ok(Some(r)) = model.guess_routes(l + 1, &mut g.layers[l + 1], g.res, &out).map(|r| r.into_iter().next()) {
+                            self.experts().prefetch(l + 1, &r.experts);
                         }
                     } else {
                         let on = self.agreement_estimate() >= BOUNDARY_AGREEMENT_MIN;

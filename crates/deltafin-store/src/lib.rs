@@ -51,6 +51,6 @@ pub use crate::{
         SetupOptions, SpanSource, StreamOptions, PACKS_DIR,
     },
     source::{Delivery, ExpertSource, HomeStats, MappedExperts, Priority, SourceStats},
-    store::Store,
+    store::{LayerSpine, Store},
     streaming::{CachePolicy, ReaderOptions, StreamingExperts, DEFAULT_SPLIT_MIN},
 };

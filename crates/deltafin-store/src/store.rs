@@ -135,10 +135,55 @@ impl Store {
     /// Reads every spine tensor into RAM (then drops the files from the page cache, so the spine
     /// is held once), checking each against its checksum.
     pub fn load_spine(&mut self) -> Result<()> {
+        self.load_spine_resident(&|_| true)
+    }
+
+    /// [`Store::load_spine`] for the tensors `keep` names only (the others are read per pass with
+    /// [`Store::read_layer_spine`]).
+    pub fn load_spine_resident(&mut self, keep: &dyn Fn(&str) -> bool) -> Result<()> {
+        let names: Vec<&str> = self.manifest.spine.keys().map(String::as_str).filter(|n| keep(n)).collect();
+        let (bytes, placement) = self.read_spine_tensors(&names)?;
+        self.spine = Some(bytes);
+        self.placement = placement;
+        Ok(())
+    }
+
+    /// Bytes of layer `l`'s spine tensors (its routed experts aside).
+    pub fn layer_spine_bytes(&self, l: usize) -> u64 {
+        let prefix = deltafin_core::Model::layer_prefix(l);
+        self.manifest.spine.range(prefix.clone()..).take_while(|(n, _)| n.starts_with(&prefix)).map(|(_, t)| t.len).sum()
+    }
+
+    /// Reads layer `l`'s spine tensors, each checked against its checksum, for
+    /// [`deltafin_core::Model::load_layer`].
+    pub fn read_layer_spine(&self, l: usize) -> Result<LayerSpine> {
+        let prefix = deltafin_core::Model::layer_prefix(l);
+        let names: Vec<&str> =
+            self.manifest.spine.range(prefix.clone()..).map(|(n, _)| n.as_str()).take_while(|n| n.starts_with(&prefix)).collect();
+        let (bytes, placement) = self.read_spine_tensors(&names)?;
+        Ok(LayerSpine {
+            store: self.dir.clone(),
+            manifest_spine: names.iter().map(|n| (n.to_string(), self.manifest.spine[*n].clone())).collect(),
+            files: self.manifest.spine_files.clone(),
+            bytes,
+            placement,
+        })
+    }
+
+    /// Reads the spine tensors `names` into one buffer, checking each; returns the buffer and
+    /// each tensor's offset in it.
+    fn read_spine_tensors(&self, names: &[&str]) -> Result<(Bytes, std::collections::BTreeMap<String, u64>)> {
         let m = &self.manifest;
-        let mut v = vec![0u8; m.spine_bytes as usize];
+        let mut placement = std::collections::BTreeMap::new();
+        let mut size = 0u64;
+        for n in names {
+            placement.insert(n.to_string(), size);
+            size = crate::manifest::align_up(size + m.spine[*n].len);
+        }
+        let mut v = vec![0u8; size as usize];
         let mut files: Vec<Option<std::fs::File>> = (0..m.spine_files.len()).map(|_| None).collect();
-        for (name, t) in &m.spine {
+        for name in names {
+            let t = &m.spine[*name];
             let path = m.spine_path(&self.dir, t.file);
             let f = match &mut files[t.file] {
                 Some(f) => f,
@@ -148,7 +193,7 @@ impl Store {
                     advice: m.advice(&self.dir),
                 })?),
             };
-            let at = self.placement[name] as usize;
+            let at = placement[*name] as usize;
             let dst = &mut v[at..at + t.len as usize];
             f.read_exact_at(dst, t.offset).map_err(|e| Error::BadStore {
                 path: path.clone(),
@@ -156,14 +201,13 @@ impl Store {
                 advice: m.advice(&self.dir),
             })?;
             if checksum(dst) != t.xxh3 {
-                return Err(Error::SpineCorrupt { tensor: name.clone(), path, offset: t.offset, advice: m.advice(&self.dir) });
+                return Err(Error::SpineCorrupt { tensor: name.to_string(), path, offset: t.offset, advice: m.advice(&self.dir) });
             }
         }
         for f in files.iter().flatten() {
             drop_cache(f);
         }
-        self.spine = Some(Bytes::from_vec(v));
-        Ok(())
+        Ok((Bytes::from_vec(v), placement))
     }
 
     /// The texts of `tiktoken.model` and, if the store has one, `tokenizer_config.json`, both
@@ -247,19 +291,58 @@ impl Store {
 
 impl TensorSource for Store {
     fn tensor(&self, name: &str) -> deltafin_core::Result<TensorBytes> {
-        let t = self.manifest.spine.get(name).ok_or_else(|| deltafin_core::Error::MissingTensor { name: name.to_string() })?;
         let spine = self.spine.as_ref().expect("load_spine before loading the model");
-        let dtype = match t.dtype.as_str() {
-            "Bf16" => DType::Bf16,
-            "F32" => DType::F32,
-            _ => DType::U8,
-        };
-        Ok(TensorBytes {
-            name: name.into(),
-            file: self.manifest.spine_path(&self.dir, t.file).display().to_string(),
-            dtype,
-            shape: t.shape.clone(),
-            bytes: spine.slice(self.placement[name] as usize, t.len as usize),
-        })
+        spine_tensor(&self.dir, &self.manifest.spine, &self.manifest.spine_files, spine, &self.placement, name)
     }
+}
+
+/// One layer's spine tensors read for a pass, checked (see [`Store::read_layer_spine`]).
+pub struct LayerSpine {
+    store: PathBuf,
+    manifest_spine: std::collections::BTreeMap<String, crate::manifest::SpineTensor>,
+    files: Vec<PathBuf>,
+    bytes: Bytes,
+    placement: std::collections::BTreeMap<String, u64>,
+}
+
+impl LayerSpine {
+    /// Bytes held.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.len() == 0
+    }
+}
+
+impl TensorSource for LayerSpine {
+    fn tensor(&self, name: &str) -> deltafin_core::Result<TensorBytes> {
+        spine_tensor(&self.store, &self.manifest_spine, &self.files, &self.bytes, &self.placement, name)
+    }
+}
+
+/// The spine tensor `name` lent from `bytes` (loaded at `placement`).
+fn spine_tensor(
+    dir: &Path,
+    spine: &std::collections::BTreeMap<String, crate::manifest::SpineTensor>,
+    files: &[PathBuf],
+    bytes: &Bytes,
+    placement: &std::collections::BTreeMap<String, u64>,
+    name: &str,
+) -> deltafin_core::Result<TensorBytes> {
+    let t = spine.get(name).ok_or_else(|| deltafin_core::Error::MissingTensor { name: name.to_string() })?;
+    let at = *placement.get(name).ok_or_else(|| deltafin_core::Error::MissingTensor { name: format!("{name} (not loaded)") })?;
+    let dtype = match t.dtype.as_str() {
+        "Bf16" => DType::Bf16,
+        "F32" => DType::F32,
+        _ => DType::U8,
+    };
+    Ok(TensorBytes {
+        name: name.into(),
+        file: dir.join(&files[t.file]).display().to_string(),
+        dtype,
+        shape: t.shape.clone(),
+        bytes: bytes.slice(at as usize, t.len as usize),
+    })
 }

@@ -2,7 +2,7 @@
 //! written as holes). Measured: writing the layout, opening the 96 shards (every header), finding
 //! all 82,432 expert spans, loading the spine (lent from memory maps, small tensors read), each
 //! with the process's peak RSS; then `deltafin plan`'s projection for the upstream engine's rig
-//! at 64, 96 and 128 GB of RAM, with this machine's measured kernel rates.
+//! at 16, 64, 96 and 128 GB of RAM, with this machine's measured kernel rates.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -59,9 +59,9 @@ pub fn run(work: &Path) -> Result<String> {
         md += r;
         md.push('\n');
     }
-    writeln!(md, "\nThe layout takes {:.0} MB of disk. Running it: `deltafin run --model models/k3-sparse` works (everything mapped; zero weights give zero logits); a RAM budget needs the whole spine resident today (spine streaming is not implemented), so the minimum is the spine plus state, below.\n", on_disk as f64 / 1e6)?;
+    writeln!(md, "\nThe layout takes {:.0} MB of disk. Running it: `deltafin run --model models/k3-sparse` works (everything mapped; zero weights give zero logits). Under a RAM budget, spine layers that do not fit are read each pass (two at a time); the minimum is below.\n", on_disk as f64 / 1e6)?;
     writeln!(md, "Projection for the upstream engine's rig (drives of 13.6, 7.1, 7.1 and 5.7 GB/s), by `deltafin plan --model models/k3-sparse --ram SIZE --drive 13.6G --drive 7.1G --drive 7.1G --drive 5.7G`. Its compute rates are this machine's (2 CPU cores, measured with the engine's kernels at K3's shapes), not a Mac's GPU: the compute-bound figures say what this CPU would do, the read figures what the drives allow.\n")?;
-    for ram in [64e9, 96e9, 128e9] {
+    for ram in [16e9, 64e9, 96e9, 128e9] {
         let input = PlanInput {
             ram: ram as u64,
             drives: RIG_DRIVES.to_vec(),

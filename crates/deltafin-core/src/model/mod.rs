@@ -48,6 +48,29 @@ struct Layer {
     mlp: Mlp,
 }
 
+impl Layer {
+    /// Layer `l`'s weights from `src`.
+    fn load(cfg: &K3Config, src: &dyn TensorSource, l: usize) -> Result<Layer> {
+        let h = cfg.hidden_size;
+        let ll = Loader::new(src, Model::layer_prefix(l));
+        let attn = ll.sub("self_attn.");
+        Ok(Layer {
+            input_norm: ll.vector("input_layernorm.weight", h)?,
+            post_norm: ll.vector("post_attention_layernorm.weight", h)?,
+            attn_res: ll.res_mix("self_attention_res", h)?,
+            mlp_res: ll.res_mix("mlp_res", h)?,
+            attention: match cfg.attention[l] {
+                AttentionKind::Kda => Attention::Kda(kda::KdaWeights::load(cfg, &attn)?),
+                AttentionKind::Mla => Attention::Mla(mla::MlaWeights::load(cfg, &attn)?),
+            },
+            mlp: match cfg.mlp[l] {
+                MlpKind::Dense => Mlp::Dense(moe::GluWeights::load(cfg, &ll.sub("mlp."), cfg.intermediate_size)?),
+                MlpKind::Moe => Mlp::Moe(moe::MoeWeights::load(cfg, &ll.sub("block_sparse_moe."))?),
+            },
+        })
+    }
+}
+
 /// The per-layer state a sequence carries between forward passes.
 #[derive(Clone, Debug, PartialEq)]
 pub enum LayerState {
@@ -94,7 +117,8 @@ pub struct Model {
     lm_head: Bf16Matrix,
     norm: Vec<f32>,
     output_res: Vec<f32>,
-    layers: Vec<Layer>,
+    /// Each layer's weights; `None` while a streamed layer is not loaded.
+    layers: Vec<std::sync::RwLock<Option<std::sync::Arc<Layer>>>>,
 }
 
 impl Model {
@@ -106,6 +130,18 @@ impl Model {
 
     /// [`Model::load`] computing through `backend`.
     pub fn load_with(config: K3Config, src: &dyn TensorSource, backend: std::sync::Arc<dyn Backend>) -> Result<Model> {
+        Model::load_resident(config, src, backend, &|_| true)
+    }
+
+    /// [`Model::load_with`], loading only the layers `resident` names: the others are read
+    /// each pass by whoever runs the model ([`Model::load_layer`] before the layer,
+    /// [`Model::unload_layer`] after), so their tensors are never asked of `src` here.
+    pub fn load_resident(
+        config: K3Config,
+        src: &dyn TensorSource,
+        backend: std::sync::Arc<dyn Backend>,
+        resident: &dyn Fn(usize) -> bool,
+    ) -> Result<Model> {
         let cfg = &config;
         let root = Loader::new(src, format!("{LM_PREFIX}model."));
         let h = cfg.hidden_size;
@@ -115,25 +151,9 @@ impl Model {
         } else {
             Loader::new(src, LM_PREFIX).matrix("lm_head.weight", cfg.vocab_size, h)?
         };
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for l in 0..cfg.num_layers {
-            let ll = root.sub(&format!("layers.{l}."));
-            let attn = ll.sub("self_attn.");
-            layers.push(Layer {
-                input_norm: ll.vector("input_layernorm.weight", h)?,
-                post_norm: ll.vector("post_attention_layernorm.weight", h)?,
-                attn_res: ll.res_mix("self_attention_res", h)?,
-                mlp_res: ll.res_mix("mlp_res", h)?,
-                attention: match cfg.attention[l] {
-                    AttentionKind::Kda => Attention::Kda(kda::KdaWeights::load(cfg, &attn)?),
-                    AttentionKind::Mla => Attention::Mla(mla::MlaWeights::load(cfg, &attn)?),
-                },
-                mlp: match cfg.mlp[l] {
-                    MlpKind::Dense => Mlp::Dense(moe::GluWeights::load(cfg, &ll.sub("mlp."), cfg.intermediate_size)?),
-                    MlpKind::Moe => Mlp::Moe(moe::MoeWeights::load(cfg, &ll.sub("block_sparse_moe."))?),
-                },
-            });
-        }
+        let layers = (0..cfg.num_layers)
+            .map(|l| Ok(std::sync::RwLock::new(if resident(l) { Some(std::sync::Arc::new(Layer::load(cfg, src, l)?)) } else { None })))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Model {
             backend,
             embed,
@@ -199,7 +219,7 @@ impl Model {
     /// returns the normed MLP input.
     pub fn attention_block(&self, l: usize, state: &mut LayerState, res: &mut Residual) -> Result<Mat> {
         let cfg = &self.config;
-        let layer = &self.layers[l];
+        let layer = self.layer(l);
         let eps = cfg.rms_norm_eps;
         let h = attn_res::mix(&*self.backend, &res.anchors, &res.partial, &layer.attn_res, eps);
         let x = self.backend.rms_norm_rows(&h, &layer.input_norm, eps);
@@ -246,6 +266,10 @@ impl Model {
     /// of `state` (an MLA cache is appended to and truncated back) and its router. `state` ends
     /// as it was; the result is only good for prefetching.
     pub fn guess_routes(&self, l: usize, state: &mut LayerState, res: &Residual, mlp_out: &Mat) -> Result<Vec<Route>> {
+        if !self.layer_loaded(l) {
+            // A streamed layer not read yet: no guess (prefetch only; output unaffected).
+            return Ok(Vec::new());
+        }
         let mut r = res.clone();
         self.finish_layer(&mut r, mlp_out);
         let x = self.scratch_attention(l, state, &mut r)?;
@@ -269,6 +293,11 @@ impl Model {
     /// Runs `token` up to the first MoE layer on throwaway copies of `states` and returns that
     /// layer and its routes (`None` without an MoE layer); `states` end as they were.
     pub fn first_moe_routes(&self, states: &mut [LayerState], token: u32) -> Result<Option<(usize, Vec<Route>)>> {
+        let first = self.config.mlp.iter().position(|m| *m == MlpKind::Moe).unwrap_or(0);
+        if !(0..=first.min(states.len().saturating_sub(1))).all(|l| self.layer_loaded(l)) {
+            // Streamed layers on the way: no guess (prefetch only).
+            return Ok(None);
+        }
         let mut r = Residual::new(self.embed(&[token])?);
         for (l, state) in states.iter_mut().enumerate() {
             let x = self.scratch_attention(l, state, &mut r)?;
@@ -311,27 +340,27 @@ impl Model {
 
     /// The dense MLP of layer `l` (panics on an MoE layer: a scheduling bug).
     pub fn dense_mlp(&self, l: usize, x: &Mat) -> Mat {
-        match &self.layers[l].mlp {
+        match &self.layer(l).mlp {
             Mlp::Dense(w) => w.forward(&self.config, &*self.backend, x),
             Mlp::Moe(_) => panic!("layer {l} is an MoE layer"),
         }
     }
 
-    fn moe(&self, l: usize) -> &moe::MoeWeights {
-        match &self.layers[l].mlp {
-            Mlp::Moe(w) => w,
+    fn with_moe<T>(&self, l: usize, f: impl FnOnce(&moe::MoeWeights) -> T) -> T {
+        match &self.layer(l).mlp {
+            Mlp::Moe(w) => f(w),
             Mlp::Dense(_) => panic!("layer {l} is a dense layer"),
         }
     }
 
     /// Router of MoE layer `l`: the chosen experts per row.
     pub fn route(&self, l: usize, x: &Mat) -> Vec<Route> {
-        self.moe(l).route(&self.config, &*self.backend, x)
+        self.with_moe(l, |m| m.route(&self.config, &*self.backend, x))
     }
 
     /// The latent input of the routed experts.
     pub fn moe_latent_in(&self, l: usize, x: &Mat) -> Mat {
-        self.moe(l).latent_in(&*self.backend, x)
+        self.with_moe(l, |m| m.latent_in(&*self.backend, x))
     }
 
     /// One routed expert over latent rows, from its stored bytes.
@@ -341,13 +370,13 @@ impl Model {
 
     /// The shared experts of MoE layer `l` over its MLP input (`None` if it has none).
     pub fn moe_shared(&self, l: usize, x: &Mat) -> Option<Mat> {
-        self.moe(l).shared(&self.config, &*self.backend, x)
+        self.with_moe(l, |m| m.shared(&self.config, &*self.backend, x))
     }
 
     /// Latent norm and up-projection of the combined routed output, plus the shared experts'
     /// output from [`Model::moe_shared`].
     pub fn moe_finish(&self, l: usize, routed: Mat, shared: Option<Mat>) -> Mat {
-        self.moe(l).finish(&self.config, &*self.backend, routed, shared)
+        self.with_moe(l, |m| m.finish(&self.config, &*self.backend, routed, shared))
     }
 
     /// Adds the MLP output to the residual's partial sum.
@@ -362,6 +391,34 @@ impl Model {
         let h = attn_res::mix(&*self.backend, &anchors, &partial, &self.output_res, self.config.rms_norm_eps);
         let x = self.backend.rms_norm_rows(&h, &self.norm, self.config.rms_norm_eps);
         self.backend.matmul_bf16(&x, &self.lm_head)
+    }
+
+    /// The name prefix of layer `l`'s spine tensors (its routed experts aside).
+    pub fn layer_prefix(l: usize) -> String {
+        format!("{LM_PREFIX}model.layers.{l}.")
+    }
+
+    /// Whether layer `l`'s weights are in the model now.
+    pub fn layer_loaded(&self, l: usize) -> bool {
+        self.layers[l].read().expect("poisoned").is_some()
+    }
+
+    /// Loads layer `l`'s weights from `src` (tensors under [`Model::layer_prefix`]).
+    pub fn load_layer(&self, l: usize, src: &dyn TensorSource) -> Result<()> {
+        let layer = Layer::load(&self.config, src, l)?;
+        *self.layers[l].write().expect("poisoned") = Some(std::sync::Arc::new(layer));
+        Ok(())
+    }
+
+    /// Drops layer `l`'s weights (they go when the last computation holding them ends).
+    pub fn unload_layer(&self, l: usize) {
+        *self.layers[l].write().expect("poisoned") = None;
+    }
+
+    /// Layer `l`'s weights; the engine loads a streamed layer before running it, so a missing
+    /// one is a scheduling bug.
+    fn layer(&self, l: usize) -> std::sync::Arc<Layer> {
+        self.layers[l].read().expect("poisoned").clone().unwrap_or_else(|| panic!("layer {l} is not loaded"))
     }
 
     /// Bytes of spine weights this model borrows.

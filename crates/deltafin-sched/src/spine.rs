@@ -1,0 +1,141 @@
+//! Spine layers that do not fit the RAM budget, read from the store each pass like experts:
+//! checked against their checksums as they are read, the next streamed layer read ahead while
+//! the current one computes, each dropped once its layer has run. At most two streamed layers
+//! are in RAM at once (the one running and the one being read), which the budget reserves.
+//!
+//! Which layers stream is decided at open ([`choose_resident`]); the walk asks [`SpineStream`]
+//! for a layer before running it and hands it back after.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+
+use deltafin_core::Model;
+use deltafin_store::{LayerSpine, Store};
+
+use crate::error::Result;
+
+/// Chooses the layers kept resident within `room` bytes; `layer_bytes[l]` is layer `l`'s spine.
+/// Every byte kept saves one byte of reads per pass whichever layer it belongs to, so layers are
+/// kept in order until the next one does not fit. Returns `(resident, bytes kept)`.
+pub(crate) fn choose_resident(layer_bytes: &[u64], room: u64) -> (Vec<bool>, u64) {
+    let mut kept = 0u64;
+    let mut full = false;
+    let resident = layer_bytes
+        .iter()
+        .map(|&b| {
+            full |= kept + b > room;
+            if !full {
+                kept += b;
+            }
+            !full
+        })
+        .collect();
+    (resident, kept)
+}
+
+/// RAM for the streamed layers in memory at once: the one running and the one read ahead (two
+/// different layers, so at most the two largest).
+pub(crate) fn two_layers(layer_bytes: &[u64]) -> u64 {
+    let mut v = layer_bytes.to_vec();
+    v.sort_unstable_by(|a, b| b.cmp(a));
+    v.iter().take(2).sum()
+}
+
+#[derive(Default)]
+struct Shared {
+    requested: HashSet<usize>,
+    ready: HashMap<usize, std::result::Result<LayerSpine, deltafin_store::Error>>,
+}
+
+/// The streamed layers of one engine and the thread that reads them.
+pub struct SpineStream {
+    /// Held by a walk for its whole pass: two passes at once would unload each other's layers
+    /// and hold more than the two streamed layers the budget reserves.
+    walk: Mutex<()>,
+    streamed: Vec<bool>,
+    shared: Arc<(Mutex<Shared>, Condvar)>,
+    requests: Mutex<mpsc::Sender<usize>>,
+}
+
+impl SpineStream {
+    /// Starts the reader of `store`'s layers marked in `streamed`.
+    pub(crate) fn start(store: Arc<Store>, streamed: Vec<bool>) -> SpineStream {
+        let shared: Arc<(Mutex<Shared>, Condvar)> = Arc::default();
+        let (tx, rx) = mpsc::channel::<usize>();
+        let s = shared.clone();
+        // Ends when the stream (its sender) is dropped.
+        std::thread::spawn(move || {
+            for l in rx {
+                let read = store.read_layer_spine(l);
+                let (lock, cv) = &*s;
+                lock.lock().expect("poisoned").ready.insert(l, read);
+                cv.notify_all();
+            }
+        });
+        SpineStream { walk: Mutex::new(()), streamed, shared, requests: Mutex::new(tx) }
+    }
+
+    /// Taken for a whole pass (see the field).
+    pub(crate) fn pass(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.walk.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts reading streamed layer `l` if it is not on its way already.
+    fn request(&self, l: usize) {
+        let mut st = self.shared.0.lock().expect("poisoned");
+        if st.requested.insert(l) {
+            let _ = self.requests.lock().expect("poisoned").send(l);
+        }
+    }
+
+    /// Makes layer `l` runnable: a streamed layer not loaded is read (or its read-ahead awaited)
+    /// and loaded; then the next streamed layer (in pass order, wrapping to the next pass) is read
+    /// ahead.
+    pub(crate) fn ensure(&self, model: &Model, l: usize) -> Result<()> {
+        if self.streamed[l] && !model.layer_loaded(l) {
+            self.request(l);
+            let (lock, cv) = &*self.shared;
+            let mut st = lock.lock().expect("poisoned");
+            let read = loop {
+                if let Some(r) = st.ready.remove(&l) {
+                    st.requested.remove(&l);
+                    break r;
+                }
+                st = cv.wait(st).expect("poisoned");
+            };
+            drop(st);
+            // The buffer goes once the layer's tensors are widened or lent into the model.
+            model.load_layer(l, &read?)?;
+        }
+        let n = self.streamed.len();
+        if let Some(next) = (1..n).map(|d| (l + d) % n).find(|&k| self.streamed[k]) {
+            if !model.layer_loaded(next) {
+                self.request(next);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops streamed layer `l` once it has run.
+    pub(crate) fn release(&self, model: &Model, l: usize) {
+        if self.streamed[l] {
+            model.unload_layer(l);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_are_kept_in_order_while_they_fit() {
+        assert_eq!(choose_resident(&[3, 3, 3], 100), (vec![true; 3], 9));
+        assert_eq!(choose_resident(&[3, 3, 3], 7), (vec![true, true, false], 6));
+        // Once one layer does not fit, the ones after stream too (no holes that shift reads).
+        assert_eq!(choose_resident(&[3, 5, 1], 4), (vec![true, false, false], 3));
+        assert_eq!(choose_resident(&[3, 3], 0), (vec![false, false], 0));
+        assert_eq!(two_layers(&[5, 9, 2, 7]), 16);
+        assert_eq!(two_layers(&[4]), 4);
+    }
+}
