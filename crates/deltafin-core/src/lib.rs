@@ -38,8 +38,8 @@ pub use crate::{
     },
     math::{argmax, rms_norm_in_place, situ, softmax_in_place},
     model::{
-        chunked_delta_rule, expert_forward, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Recording, Residual, Route,
-        LM_PREFIX,
+        chunked_delta_rule, expert_forward, EmbedRows, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Recording,
+        Residual, Route, LM_PREFIX,
     },
     reply::{Part as ReplyPart, ReplySplitter},
     tensor::Mat,

@@ -265,8 +265,11 @@ impl EngineBuilder {
         let expert_len = cfg.expert_shape().total_bytes() as u64;
         let all_experts = (cfg.moe_layers().len() * cfg.num_experts) as u64
             * deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
-        // Spine layers read per pass instead of held (none unless the budget is short).
+        // Spine layers read per pass instead of held, and the embedding read by row (neither
+        // unless the budget is short).
         let mut streamed = vec![false; cfg.num_layers];
+        let mut embed_by_row = false;
+        let embed_name = format!("{}model.embed_tokens.weight", deltafin_core::LM_PREFIX);
         let plan = match self.ram_budget {
             None => {
                 let chunk = self.options.prefill_chunk.unwrap_or(self.context);
@@ -293,7 +296,10 @@ impl EngineBuilder {
                     // The spine does not fit: layers that do not are read each pass, two at a time
                     // at most (the one running, the next read ahead).
                     let layer_bytes: Vec<u64> = (0..cfg.num_layers).map(|l| store.layer_spine_bytes(l)).collect();
-                    let top = spine - layer_bytes.iter().sum::<u64>();
+                    // The embedding is read by row (a checksum per row kept) unless tied to the head.
+                    let embed = if cfg.tie_word_embeddings { 0 } else { store.spine_tensor_bytes(&embed_name) };
+                    embed_by_row = embed > 0;
+                    let top = spine - layer_bytes.iter().sum::<u64>() - embed + if embed_by_row { 8 * cfg.vocab_size as u64 } else { 0 };
                     let buffers = crate::spine::two_layers(&layer_bytes);
                     let min = top + buffers + others + one_expert;
                     if budget < min {
@@ -301,7 +307,7 @@ impl EngineBuilder {
                             budget,
                             minimum: min,
                             why: format!(
-                                "embedding, output head and norms {:.1} MB + two streamed spine layers {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + kept states {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
+                                "output head, norms (and the embedding's row checksums) {:.1} MB + two streamed spine layers {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + kept states {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
                                 top as f64 / 1e6,
                                 buffers as f64 / 1e6,
                                 self.max_sequences,
@@ -340,7 +346,11 @@ impl EngineBuilder {
         let per = deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
         let pinned: Vec<(usize, u32)> = heat.into_iter().take((pin_cap / per) as usize).map(|(k, _)| k).collect();
         let layer_prefixes: Vec<String> = (0..cfg.num_layers).filter(|&l| streamed[l]).map(Model::layer_prefix).collect();
-        store.load_spine_resident(&|name| !layer_prefixes.iter().any(|p| name.starts_with(p)))?;
+        store.load_spine_resident(&|name| !(layer_prefixes.iter().any(|p| name.starts_with(p)) || embed_by_row && name == embed_name))?;
+        let embed_rows: Option<Arc<dyn deltafin_core::EmbedRows>> = match embed_by_row {
+            true => Some(Arc::new(store.spine_rows(&embed_name, cfg.vocab_size)?)),
+            false => None,
+        };
         let experts = store.experts(ReaderOptions {
             queue_depth: self.queue_depth,
             cache_mode: self.cache_mode,
@@ -351,7 +361,7 @@ impl EngineBuilder {
             read_caps: self.read_caps.clone(),
             background_fill: self.background_fill,
         })?;
-        let model = Model::load_resident(cfg, &store, self.compute(), &|l| !streamed[l])?;
+        let model = Model::load_resident(cfg, &store, self.compute(), &|l| !streamed[l], embed_rows)?;
         let store = Arc::new(store);
         let mut engine = Engine::new(model, Arc::new(experts), self.options);
         if streamed.iter().any(|s| *s) {

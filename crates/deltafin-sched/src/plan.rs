@@ -153,13 +153,18 @@ impl Plan {
         let layers_total: u64 = m.layer_bytes.iter().sum();
         let top = m.spine_bytes - layers_total;
         let buffers = crate::spine::two_layers(&m.layer_bytes);
-        let (minimum_ram, resident_spine, spine_read_per_pass, streamed_layers) = if input.ram >= m.spine_bytes + others {
-            (top + buffers + others, m.spine_bytes, 0, 0)
+        // Streaming, the embedding is read by row (its row checksums kept) unless tied to the head.
+        let top_streaming = match cfg.tie_word_embeddings {
+            true => top,
+            false => top - m.embed_bytes + 8 * cfg.vocab_size as u64,
+        };
+        let minimum_ram = top_streaming + buffers + others;
+        let (resident_spine, spine_read_per_pass, streamed_layers) = if input.ram >= m.spine_bytes + others {
+            (m.spine_bytes, 0, 0)
         } else {
-            let min = top + buffers + others;
-            let (resident, kept) = crate::spine::choose_resident(&m.layer_bytes, input.ram.saturating_sub(min));
+            let (resident, kept) = crate::spine::choose_resident(&m.layer_bytes, input.ram.saturating_sub(minimum_ram));
             let read: u64 = m.layer_bytes.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b).sum();
-            (min, top + buffers + kept, read, resident.iter().filter(|r| !**r).count())
+            (top_streaming + buffers + kept, read, resident.iter().filter(|r| !**r).count())
         };
         let total_experts = (moe * e) as u64;
         let cached_experts = (input.ram.saturating_sub(resident_spine + others) / charge).min(total_experts);
@@ -232,7 +237,7 @@ impl Plan {
         );
         let _ = writeln!(
             s,
-            "  minimum RAM      {:>9.2} GB  (embedding, head, norms + two spine layers + state + working memory + one layer of expert reads)",
+            "  minimum RAM      {:>9.2} GB  (output head, norms + two spine layers + state + working memory + one layer of expert reads; the embedding read by row)",
             gb(self.minimum_ram as f64)
         );
         if !self.fits {
@@ -288,7 +293,7 @@ impl Plan {
 /// Sizes of the model at `path` (a checkpoint folder, `hf://` model or store).
 pub fn model_sizes(path: &std::path::Path) -> crate::Result<ModelSizes> {
     let path = deltafin_store::resolve_model_dir(path)?;
-    let embed = format!("{}.embed_tokens.weight", deltafin_core::LM_PREFIX);
+    let embed = format!("{}model.embed_tokens.weight", deltafin_core::LM_PREFIX);
     if deltafin_store::Store::is_store(&path) {
         let s = deltafin_store::Store::open(&path)?;
         let m = s.manifest();

@@ -17,6 +17,7 @@
 mod checkpoint;
 mod doctor;
 mod draft;
+mod embed_rows;
 mod error;
 mod hf_snapshot;
 mod hub_cache;
@@ -35,6 +36,7 @@ pub use crate::{
     checkpoint::{read_header, Checkpoint, ExpertSpan, TensorEntry},
     doctor::{doctor, repair, DoctorReport},
     draft::DraftCheckpoint,
+    embed_rows::RowReader,
     error::{Error, Result},
     hf_snapshot::{hf_hub_cache, resolve_model_dir, snapshot as hf_snapshot},
     hub_cache::{HubCache, HubCacheStats, HubFile, HubRecord, CACHE_DIR, HUB_DIR, HUB_RECORD, WHOLE_SHARD_FETCH},

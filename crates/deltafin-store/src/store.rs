@@ -148,6 +148,20 @@ impl Store {
         Ok(())
     }
 
+    /// Bytes of spine tensor `name` (0 if there is none).
+    pub fn spine_tensor_bytes(&self, name: &str) -> u64 {
+        self.manifest.spine.get(name).map_or(0, |t| t.len)
+    }
+
+    /// The spine tensor `name` (a BF16 table of `rows` rows) read by row, checked whole now and
+    /// each row as it is read (see [`RowReader`](crate::RowReader)).
+    pub fn spine_rows(&self, name: &str, rows: usize) -> Result<crate::RowReader> {
+        let m = &self.manifest;
+        let t = m.spine.get(name).ok_or_else(|| Error::format(self.dir.join("manifest.json"), format!("no spine tensor `{name}`")))?;
+        let row_bytes = (t.len as usize) / rows.max(1);
+        crate::RowReader::open(name, m.spine_path(&self.dir, t.file), t.offset, rows, row_bytes, &t.xxh3, m.advice(&self.dir))
+    }
+
     /// Bytes of layer `l`'s spine tensors (its routed experts aside).
     pub fn layer_spine_bytes(&self, l: usize) -> u64 {
         let prefix = deltafin_core::Model::layer_prefix(l);

@@ -48,6 +48,19 @@ struct Layer {
     mlp: Mlp,
 }
 
+/// Rows of an embedding table read on demand, for a model that does not hold the table (the
+/// store reads and checks each row). Core does no I/O: whoever implements this does.
+pub trait EmbedRows: Send + Sync {
+    /// Row `r`'s BF16 bytes (`hidden_size * 2` of them).
+    fn row(&self, r: usize) -> Result<Vec<u8>>;
+}
+
+/// The embedding table: held, or read by row.
+enum Embedding {
+    Resident(Bf16Matrix),
+    Rows(std::sync::Arc<dyn EmbedRows>),
+}
+
 impl Layer {
     /// Layer `l`'s weights from `src`.
     fn load(cfg: &K3Config, src: &dyn TensorSource, l: usize) -> Result<Layer> {
@@ -113,7 +126,7 @@ impl LayerState {
 pub struct Model {
     config: K3Config,
     backend: std::sync::Arc<dyn Backend>,
-    embed: Bf16Matrix,
+    embed: Embedding,
     lm_head: Bf16Matrix,
     norm: Vec<f32>,
     output_res: Vec<f32>,
@@ -130,26 +143,36 @@ impl Model {
 
     /// [`Model::load`] computing through `backend`.
     pub fn load_with(config: K3Config, src: &dyn TensorSource, backend: std::sync::Arc<dyn Backend>) -> Result<Model> {
-        Model::load_resident(config, src, backend, &|_| true)
+        Model::load_resident(config, src, backend, &|_| true, None)
     }
 
     /// [`Model::load_with`], loading only the layers `resident` names: the others are read
     /// each pass by whoever runs the model ([`Model::load_layer`] before the layer,
-    /// [`Model::unload_layer`] after), so their tensors are never asked of `src` here.
+    /// [`Model::unload_layer`] after), so their tensors are never asked of `src` here. With
+    /// `embed_rows` (untied embeddings only) the embedding table is not held: each token's row
+    /// is read from it.
     pub fn load_resident(
         config: K3Config,
         src: &dyn TensorSource,
         backend: std::sync::Arc<dyn Backend>,
         resident: &dyn Fn(usize) -> bool,
+        embed_rows: Option<std::sync::Arc<dyn EmbedRows>>,
     ) -> Result<Model> {
         let cfg = &config;
         let root = Loader::new(src, format!("{LM_PREFIX}model."));
         let h = cfg.hidden_size;
-        let embed = root.matrix("embed_tokens.weight", cfg.vocab_size, h)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
-        } else {
-            Loader::new(src, LM_PREFIX).matrix("lm_head.weight", cfg.vocab_size, h)?
+        let (embed, lm_head) = match embed_rows {
+            Some(rows) if !cfg.tie_word_embeddings => {
+                (Embedding::Rows(rows), Loader::new(src, LM_PREFIX).matrix("lm_head.weight", cfg.vocab_size, h)?)
+            }
+            _ => {
+                let embed = root.matrix("embed_tokens.weight", cfg.vocab_size, h)?;
+                let lm_head = match cfg.tie_word_embeddings {
+                    true => embed.clone(),
+                    false => Loader::new(src, LM_PREFIX).matrix("lm_head.weight", cfg.vocab_size, h)?,
+                };
+                (Embedding::Resident(embed), lm_head)
+            }
         };
         let layers = (0..cfg.num_layers)
             .map(|l| Ok(std::sync::RwLock::new(if resident(l) { Some(std::sync::Arc::new(Layer::load(cfg, src, l)?)) } else { None })))
@@ -210,7 +233,15 @@ impl Model {
             if id as usize >= self.config.vocab_size {
                 return Err(Error::TokenOutOfRange { id, vocab: self.config.vocab_size });
             }
-            m.row_mut(t).copy_from_slice(&self.embed.row_f32(id as usize));
+            match &self.embed {
+                Embedding::Resident(e) => m.row_mut(t).copy_from_slice(&e.row_f32(id as usize)),
+                Embedding::Rows(rows) => {
+                    let bytes = rows.row(id as usize)?;
+                    for (v, c) in m.row_mut(t).iter_mut().zip(bytes.chunks_exact(2)) {
+                        *v = crate::weights::bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+                    }
+                }
+            }
         }
         Ok(m)
     }
@@ -423,6 +454,10 @@ impl Model {
 
     /// Bytes of spine weights this model borrows.
     pub fn spine_bytes(&self) -> usize {
-        self.embed.byte_len() + if self.config.tie_word_embeddings { 0 } else { self.lm_head.byte_len() }
+        let embed = match &self.embed {
+            Embedding::Resident(e) => e.byte_len(),
+            Embedding::Rows(_) => 0,
+        };
+        embed + if self.config.tie_word_embeddings { 0 } else { self.lm_head.byte_len() }
     }
 }
