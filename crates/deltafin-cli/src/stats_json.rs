@@ -13,6 +13,7 @@ pub fn stats_json(s: &Stats) -> Value {
         "decode_tok_s": s.decode_tok_s,
         "total_s": s.total_s,
         "expert_bytes_read": s.expert_bytes_read,
+        "spine_bytes_read": s.spine_bytes_read,
         "expert_bytes_read_prefill": s.expert_bytes_read_prefill,
         "expert_bytes_distinct_prefill": s.expert_bytes_distinct_prefill,
         "bytes_per_token": s.bytes_per_token,

@@ -288,6 +288,7 @@ impl Engine {
     ) -> Result<Stats> {
         let start = Instant::now();
         let before = self.experts.stats();
+        let spine_before = self.spine.as_ref().map_or(0, |s| s.bytes_read());
         // A hidden-state drafter reads K3's hidden states at its layers for every kept token.
         let hidden: Vec<usize> = drafter.as_deref().map(|d| d.hidden_layers()).unwrap_or_default();
         let start_len = seq.ids.len();
@@ -411,6 +412,7 @@ impl Engine {
         stats.read_wait_s = read_wait.as_secs_f64();
         stats.compute_s = (stats.total_s - stats.read_wait_s).max(0.0);
         stats.expert_bytes_read = end.bytes_read - before.bytes_read;
+        stats.spine_bytes_read = self.spine.as_ref().map_or(0, |s| s.bytes_read()) - spine_before;
         let (hits, misses) = (end.hits - before.hits, end.misses - before.misses);
         stats.cache_hit_rate = if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 };
         stats.bytes_per_token =

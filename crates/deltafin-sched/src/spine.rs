@@ -53,6 +53,8 @@ pub struct SpineStream {
     /// and hold more than the two streamed layers the budget reserves.
     walk: Mutex<()>,
     streamed: Vec<bool>,
+    /// Spine bytes loaded from the store so far (streamed layers, each pass).
+    bytes_read: std::sync::atomic::AtomicU64,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     requests: Mutex<mpsc::Sender<usize>>,
 }
@@ -72,12 +74,17 @@ impl SpineStream {
                 cv.notify_all();
             }
         });
-        SpineStream { walk: Mutex::new(()), streamed, shared, requests: Mutex::new(tx) }
+        SpineStream { walk: Mutex::new(()), streamed, bytes_read: Default::default(), shared, requests: Mutex::new(tx) }
     }
 
     /// Taken for a whole pass (see the field).
     pub(crate) fn pass(&self) -> std::sync::MutexGuard<'_, ()> {
         self.walk.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Spine bytes read so far.
+    pub(crate) fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Starts reading streamed layer `l` if it is not on its way already.
@@ -105,7 +112,9 @@ impl SpineStream {
             };
             drop(st);
             // The buffer goes once the layer's tensors are widened or lent into the model.
-            model.load_layer(l, &read?)?;
+            let read = read?;
+            self.bytes_read.fetch_add(read.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            model.load_layer(l, &read)?;
         }
         let n = self.streamed.len();
         if let Some(next) = (1..n).map(|d| (l + d) % n).find(|&k| self.streamed[k]) {

@@ -18,6 +18,8 @@ pub struct Stats {
     pub expert_bytes_read: u64,
     /// Of which during prefill.
     pub expert_bytes_read_prefill: u64,
+    /// Spine bytes read from the store (layers a short budget streams each pass).
+    pub spine_bytes_read: u64,
     /// Bytes of the distinct experts the prompt routed, summed per layer.
     pub expert_bytes_distinct_prefill: u64,
     /// Expert bytes read per decoded token.
@@ -114,6 +116,9 @@ impl Stats {
             mb(self.prefetch_wasted_bytes),
             mb(self.peak_rss_bytes),
         );
+        if self.spine_bytes_read > 0 {
+            s.push_str(&format!("\nspine read {:.1} MB (layers the budget streams)", mb(self.spine_bytes_read)));
+        }
         if self.verifies > 0 || self.draft_s > 0.0 {
             s.push_str(&format!(
                 "\ndrafts: {} verify steps ({} probes), {} drafted, {} accepted ({:.0}%), {:.2} tokens per verify, \

@@ -285,7 +285,8 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         std::fs::write(bench_dir.join("stream.md"), stream::run(&ckpt, &full, &root().join("models"), 8192, quick)?)?;
     }
     if matches!(which, Which::K3 | Which::All) {
-        std::fs::write(bench_dir.join("k3.md"), k3::run(&root().join("models"))?)?;
+        let (_, mini) = ensure_model("slice-mini")?;
+        std::fs::write(bench_dir.join("k3.md"), k3::run(&root().join("models"), &mini, 8192, quick)?)?;
     }
     if matches!(which, Which::Spec | Which::All) {
         let mut md = String::from("## Speculative decoding\n\nEvery drafter against plain decoding on two stores of real expert size: `slice`, whose random router sends each token to nearly independent experts (so a verify of k + 1 rows reads about k + 1 times the experts, and drafting cannot pay: the live gate should keep it off), and `slice-hot`, whose router prefers some experts as a trained one does (rows share experts, so verifying is cheaper per row). Neither model is trained, so only the oracle's drafts are ever right; the prompt lookup and the draft model are measured for what they cost when wrong.\n\n");

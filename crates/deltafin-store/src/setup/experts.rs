@@ -69,9 +69,7 @@ fn in_place_layer(plan: &Install, l: usize, spans: &[ExpertSpan], progress: &dyn
     for (e, s) in spans.iter().enumerate() {
         let rel = s.file.strip_prefix(plan.ckpt.dir()).unwrap_or(&s.file).to_path_buf();
         let file = home.join(&rel);
-        buf.resize(s.len as usize, 0);
-        plan.src.read_span(&file, s.offset, &mut buf)?;
-        let sum = checksum(&buf);
+        let sum = plan.src.span_checksum(&file, s.offset, s.len, &mut buf)?;
         let recorded =
             side.as_ref().and_then(|t| t.experts.get(&e)).map(|x| x.2.clone()).or_else(|| plan.earlier_expert(l, e).map(str::to_string));
         plan.check_source(&format!("expert {l}/{e}"), &file, &sum, recorded.as_deref())?;

@@ -114,9 +114,7 @@ pub(crate) fn in_place_spine(plan: &Install, progress: &dyn Progress) -> Result<
     let mut buf = Vec::new();
     for n in names {
         let e = &ckpt.tensors()[&n];
-        buf.resize(e.len as usize, 0);
-        plan.src.read_span(&files[e.shard], e.offset, &mut buf)?;
-        let sum = checksum(&buf);
+        let sum = plan.src.span_checksum(&files[e.shard], e.offset, e.len, &mut buf)?;
         let recorded =
             side.as_ref().and_then(|s| s.tensors.get(&n)).map(|t| t.xxh3.clone()).or_else(|| plan.earlier_spine(&n).map(str::to_string));
         plan.check_source(&format!("spine tensor `{n}`"), &files[e.shard], &sum, recorded.as_deref())?;
