@@ -33,7 +33,7 @@ pub fn demo(prompt: &str, max_new: usize, budget: &str) -> Result<()> {
         crate::gen_k3::generate("small", 0, &ckpt)?;
     }
     run(Command::new(cargo()).current_dir(&root).args(["build", "--release", "-q", "-p", "deltafin-cli"]))?;
-    let bin = root.join("target/release/deltafin");
+    let bin = crate::bench::target_dir().join("release/deltafin");
     let store = models.join("small-store");
     let (d0, d1) = (models.join("drive0"), models.join("drive1"));
     std::fs::create_dir_all(&d0)?;

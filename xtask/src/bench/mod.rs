@@ -67,7 +67,12 @@ pub fn build_cli() -> Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let st = std::process::Command::new(cargo).current_dir(root()).args(["build", "--release", "-q", "-p", "deltafin-cli"]).status()?;
     anyhow::ensure!(st.success(), "building deltafin failed");
-    Ok(root().join("target/release/deltafin"))
+    Ok(target_dir().join("release/deltafin"))
+}
+
+/// Cargo's target folder (`CARGO_TARGET_DIR` when set, as cargo itself does).
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").filter(|d| !d.is_empty()).map(PathBuf::from).unwrap_or_else(|| root().join("target"))
 }
 
 fn mb(x: f64) -> f64 {
