@@ -41,7 +41,9 @@ fn bad_input_gets_clear_errors() {
     let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "", "--max-new", "2"]).output().unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("empty"));
     let out = bin().args(["run", "--model", "/nonexistent", "--prompt", "x"]).output().unwrap();
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("/nonexistent/config.json"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("/nonexistent/config.json"), "{err}");
+    assert_eq!(err.matches("os error 2").count(), 1, "the OS cause once: {err}");
     let out = bin().args(["run", "--model"]).arg(&f).args(["--ids", "5000", "--max-new", "2"]).output().unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary"));
     let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "x", "--ram-budget", "lots"]).output().unwrap();

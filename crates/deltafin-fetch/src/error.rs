@@ -23,8 +23,10 @@ pub enum Error {
     /// The repository reference cannot be parsed.
     #[error("{0}")]
     BadRef(String),
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    // `err`, not `source`: the message carries the cause, and a source as well would print it
+    // twice in a chain (`error: X: cause: cause`).
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
 }
 
 fn advice(status: u16) -> &'static str {
@@ -38,7 +40,7 @@ fn advice(status: u16) -> &'static str {
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
         let path = path.into();
-        move |source| Error::Io { path, source }
+        move |err| Error::Io { path, err }
     }
 }
 

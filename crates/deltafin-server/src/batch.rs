@@ -84,8 +84,10 @@ impl BatchSummary {
 /// Why a batch could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum BatchError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    // `err`, not `source`: the message carries the cause, and a source as well would print it
+    // twice in a chain (`error: X: cause: cause`).
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{path} line {line}: {why}")]
     Input { path: PathBuf, line: usize, why: String },
 }
@@ -99,7 +101,7 @@ struct Line {
 }
 
 fn read_input(path: &PathBuf) -> Result<Vec<Line>, BatchError> {
-    let text = std::fs::read_to_string(path).map_err(|source| BatchError::Io { path: path.clone(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|err| BatchError::Io { path: path.clone(), err })?;
     let mut seen = HashSet::new();
     let mut lines = Vec::new();
     for (i, raw) in text.lines().enumerate() {
@@ -126,7 +128,7 @@ fn read_input(path: &PathBuf) -> Result<Vec<Line>, BatchError> {
 
 /// The `custom_id`s the output already holds, after cutting off a torn last line.
 fn finished_ids(path: &PathBuf) -> Result<HashSet<String>, BatchError> {
-    let io = |source| BatchError::Io { path: path.clone(), source };
+    let io = |err| BatchError::Io { path: path.clone(), err };
     let Ok(bytes) = std::fs::read(path) else { return Ok(HashSet::new()) };
     let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |p| p + 1);
     if whole < bytes.len() {
@@ -186,7 +188,7 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
     let pending: Vec<Line> = lines.into_iter().filter(|l| !done.contains(&l.custom_id)).collect();
     let mut summary = BatchSummary { total, skipped: total - pending.len(), ..Default::default() };
     progress.start(total, summary.skipped);
-    let io = |source| BatchError::Io { path: cfg.output.clone(), source };
+    let io = |err| BatchError::Io { path: cfg.output.clone(), err };
     let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&cfg.output).map_err(io)?;
     let start = Instant::now();
     let max_batch = cfg.max_batch.max(1);

@@ -6,8 +6,10 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// An I/O error on a named file.
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    // `err`, not `source`: the message carries the cause, and a source as well would print it
+    // twice in a chain (`error: X: cause: cause`).
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     /// A file's contents do not parse.
     #[error("{path}: {why}")]
     Format { path: PathBuf, why: String },
@@ -62,7 +64,7 @@ pub enum Error {
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
         let path = path.into();
-        move |source| Error::Io { path, source }
+        move |err| Error::Io { path, err }
     }
     pub(crate) fn format(path: impl Into<PathBuf>, why: impl Into<String>) -> Error {
         Error::Format { path: path.into(), why: why.into() }

@@ -274,7 +274,7 @@ impl HubCache {
         for dir in &dirs {
             std::fs::create_dir_all(dir).map_err(|e| Error::Io {
                 path: dir.clone(),
-                source: std::io::Error::new(e.kind(), format!("{e} (a stream store's expert cache folder: is its drive mounted?)")),
+                err: std::io::Error::new(e.kind(), format!("{e} (a stream store's expert cache folder: is its drive mounted?)")),
             })?;
         }
         let mut spans: HashMap<String, BTreeMap<u64, u64>> = HashMap::new();
@@ -410,7 +410,7 @@ impl HubCache {
             let _ = std::fs::remove_file(&tmp);
             return Err(Error::Io {
                 path: tmp,
-                source: std::io::Error::new(e.kind(), format!("{e} (caching a fetched expert; free space or lower --disk-budget)")),
+                err: std::io::Error::new(e.kind(), format!("{e} (caching a fetched expert; free space or lower --disk-budget)")),
             });
         }
         rename_synced(&tmp, &self.expert_path(shard, offset, &sum))?;

@@ -38,7 +38,7 @@ pub fn source_id(ckpt: &Checkpoint, progress: &dyn Progress) -> Result<String> {
                 h.update(&bytes);
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => h.update(format!("no {f}\n").as_bytes()),
-            Err(e) => return Err(Error::Io { path: p, source: e }),
+            Err(e) => return Err(Error::Io { path: p, err: e }),
         }
     }
     let lens: Vec<u64> =

@@ -29,7 +29,7 @@ impl DirLock {
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let err = std::io::Error::last_os_error();
             if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
-                return Err(Error::Io { path, source: err });
+                return Err(Error::Io { path, err });
             }
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);

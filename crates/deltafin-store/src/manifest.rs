@@ -403,7 +403,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     })();
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
-        return Err(Error::Io { path: tmp, source: e });
+        return Err(Error::Io { path: tmp, err: e });
     }
     rename_synced(&tmp, path)
 }

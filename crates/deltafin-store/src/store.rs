@@ -295,7 +295,7 @@ impl Store {
         let dst = self.dir.join("heat.json");
         if let Err(e) = std::fs::write(&tmp, serde_json::to_vec(&v).expect("serializable")) {
             let _ = std::fs::remove_file(&tmp);
-            return Err(Error::Io { path: tmp, source: e });
+            return Err(Error::Io { path: tmp, err: e });
         }
         crate::manifest::rename_synced(&tmp, &dst).inspect_err(|_| {
             let _ = std::fs::remove_file(&tmp);

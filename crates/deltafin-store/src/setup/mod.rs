@@ -465,7 +465,7 @@ fn remove_previous(out: &Path, prev: &SetupRecord) -> Result<()> {
 
 pub(crate) fn remove_if_present(p: &Path) -> Result<()> {
     match std::fs::remove_file(p) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io { path: p.to_path_buf(), source: e }),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io { path: p.to_path_buf(), err: e }),
         _ => Ok(()),
     }
 }
@@ -485,7 +485,7 @@ pub(crate) fn copy_small_files(plan: &Install) -> Result<BTreeMap<String, FileSu
             }
             // A file the checkpoint lacks must not linger from an earlier install.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => remove_if_present(&dst)?,
-            Err(e) => return Err(Error::Io { path: p, source: e }),
+            Err(e) => return Err(Error::Io { path: p, err: e }),
         }
     }
     Ok(files)

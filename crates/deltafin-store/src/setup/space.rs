@@ -22,7 +22,7 @@ pub fn free_bytes(dir: &Path) -> Result<u64> {
     // SAFETY: statvfs writes into the struct we pass; the path is NUL-terminated.
     let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
-        return Err(Error::Io { path: dir.to_path_buf(), source: std::io::Error::last_os_error() });
+        return Err(Error::Io { path: dir.to_path_buf(), err: std::io::Error::last_os_error() });
     }
     Ok(s.f_bavail as u64 * s.f_frsize as u64)
 }
