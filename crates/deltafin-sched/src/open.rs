@@ -290,43 +290,37 @@ impl EngineBuilder {
                 let working = EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context);
                 let one_expert = StreamingExperts::min_budget(cfg.expert_shape());
                 let others = state + working + draft + kept;
-                let (spine_resident, resident) = if budget >= spine + others + one_expert {
-                    (spine, vec![true; cfg.num_layers])
-                } else {
-                    // The spine does not fit: layers that do not are read each pass, two at a time
-                    // at most (the one running, the next read ahead).
-                    let layer_bytes: Vec<u64> = (0..cfg.num_layers).map(|l| store.layer_spine_bytes(l)).collect();
-                    // The embedding is read by row (a checksum per row kept) unless tied to the head.
-                    let embed = if cfg.tie_word_embeddings { 0 } else { store.spine_tensor_bytes(&embed_name) };
-                    embed_by_row = embed > 0;
-                    let top = spine - layer_bytes.iter().sum::<u64>() - embed + if embed_by_row { 8 * cfg.vocab_size as u64 } else { 0 };
-                    let buffers = crate::spine::two_layers(&layer_bytes);
-                    let min = top + buffers + others + one_expert;
-                    if budget < min {
-                        return Err(StoreError::BudgetTooSmall {
-                            budget,
-                            minimum: min,
-                            why: format!(
-                                "output head, norms (and the embedding's row checksums) {:.1} MB + two streamed spine layers {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + kept states {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
-                                top as f64 / 1e6,
-                                buffers as f64 / 1e6,
-                                self.max_sequences,
-                                self.context,
-                                state as f64 / 1e6,
-                                kept as f64 / 1e6,
-                                working as f64 / 1e6,
-                                draft as f64 / 1e6,
-                                expert_len as f64 / 1e6
-                            ),
-                        }
-                        .into());
+                let layer_bytes: Vec<u64> = (0..cfg.num_layers).map(|l| store.layer_spine_bytes(l)).collect();
+                let fit = crate::spine::SpineFit::new(
+                    spine,
+                    &layer_bytes,
+                    store.spine_tensor_bytes(&embed_name),
+                    cfg.vocab_size,
+                    cfg.tie_word_embeddings,
+                    budget.saturating_sub(others + one_expert),
+                );
+                let min = fit.minimum + others + one_expert;
+                if budget < min {
+                    return Err(StoreError::BudgetTooSmall {
+                        budget,
+                        minimum: min,
+                        why: format!(
+                            "output head, norms, the embedding's row checksums and two streamed spine layers {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + kept states {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
+                            fit.minimum as f64 / 1e6,
+                            self.max_sequences,
+                            self.context,
+                            state as f64 / 1e6,
+                            kept as f64 / 1e6,
+                            working as f64 / 1e6,
+                            draft as f64 / 1e6,
+                            expert_len as f64 / 1e6
+                        ),
                     }
-                    // What the layers may keep: the budget less everything else, leaving the
-                    // experts at least what they would have with the whole spine streamed.
-                    let (resident, kept_bytes) = crate::spine::choose_resident(&layer_bytes, budget - min);
-                    (top + buffers + kept_bytes, resident)
-                };
-                streamed = resident.iter().map(|r| !r).collect();
+                    .into());
+                }
+                let spine_resident = fit.resident_bytes;
+                embed_by_row = fit.embed_by_row;
+                streamed = fit.streamed;
                 MemoryPlan {
                     budget,
                     spine: spine_resident,

@@ -68,8 +68,9 @@ impl ComputeRates {
         let expert_token_s = time(20, &mut || drop(backend.expert_forward(cfg, &layout, &expert, &z1)));
         let expert_prompt_token_s = time(2, &mut || drop(backend.expert_forward(cfg, &layout, &expert, &z64))) / 64.0;
         let n = 7168;
+        // BF16 values: the high halves of small f32s.
         let w: Vec<u8> =
-            (0..n * n).flat_map(|i| (((i * 7919 % 2003) as f32 - 1001.0) / 65536.0).to_bits().to_le_bytes()[2..].to_vec()).collect();
+            (0..n * n).flat_map(|i| (((((i * 7919 % 2003) as f32 - 1001.0) / 65536.0).to_bits() >> 16) as u16).to_le_bytes()).collect();
         let w = Bf16Matrix::from_bytes(Bytes::from_vec(w), n, n);
         let x = |rows: usize| Mat::from_vec(rows, n, (0..rows * n).map(|i| ((i % 13) as f32 - 6.0) / 6.0).collect());
         let (x1, x64) = (x(1), x(64));
@@ -145,27 +146,20 @@ impl Plan {
         let state_bytes = Sequence::max_bytes(cfg, input.context) as u64;
         let chunk = crate::DEFAULT_BUDGET_CHUNK.min(input.prompt_tokens.max(1));
         let working_bytes = EngineBuilder::working_bytes(cfg, chunk, input.context);
-        // Reads in flight: one layer's worth of experts.
-        let in_flight = cfg.experts_per_token as u64 * charge;
-        let others = state_bytes + working_bytes + in_flight;
-        // As the engine does at open: the whole spine if it fits, else the layers that fit
-        // resident and the rest read each pass, two layers' buffers reserved.
-        let layers_total: u64 = m.layer_bytes.iter().sum();
-        let top = m.spine_bytes - layers_total;
-        let buffers = crate::spine::two_layers(&m.layer_bytes);
-        // Streaming, the embedding is read by row (its row checksums kept) unless tied to the head.
-        let top_streaming = match cfg.tie_word_embeddings {
-            true => top,
-            false => top - m.embed_bytes + 8 * cfg.vocab_size as u64,
-        };
-        let minimum_ram = top_streaming + buffers + others;
-        let (resident_spine, spine_read_per_pass, streamed_layers) = if input.ram >= m.spine_bytes + others {
-            (m.spine_bytes, 0, 0)
-        } else {
-            let (resident, kept) = crate::spine::choose_resident(&m.layer_bytes, input.ram.saturating_sub(minimum_ram));
-            let read: u64 = m.layer_bytes.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b).sum();
-            (top_streaming + buffers + kept, read, resident.iter().filter(|r| !**r).count())
-        };
+        // As the engine plans at open (`SpineFit`): the whole spine if it fits, else the layers
+        // that fit kept and the rest read each pass; one expert's buffer at the least.
+        let others = state_bytes + working_bytes + charge;
+        let fit = crate::spine::SpineFit::new(
+            m.spine_bytes,
+            &m.layer_bytes,
+            m.embed_bytes,
+            cfg.vocab_size,
+            cfg.tie_word_embeddings,
+            input.ram.saturating_sub(others),
+        );
+        let minimum_ram = fit.minimum + others;
+        let (resident_spine, spine_read_per_pass, streamed_layers) =
+            (fit.resident_bytes, fit.read_per_pass(&m.layer_bytes), fit.streamed_layers());
         let total_experts = (moe * e) as u64;
         let cached_experts = (input.ram.saturating_sub(resident_spine + others) / charge).min(total_experts);
         let miss = 1.0 - cached_experts as f64 / total_experts.max(1) as f64;
@@ -237,7 +231,7 @@ impl Plan {
         );
         let _ = writeln!(
             s,
-            "  minimum RAM      {:>9.2} GB  (output head, norms + two spine layers + state + working memory + one layer of expert reads; the embedding read by row)",
+            "  minimum RAM      {:>9.2} GB  (output head, norms + two spine layers + state + working memory + one expert; the embedding read by row)",
             gb(self.minimum_ram as f64)
         );
         if !self.fits {

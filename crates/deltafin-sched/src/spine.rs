@@ -33,6 +33,46 @@ pub(crate) fn choose_resident(layer_bytes: &[u64], room: u64) -> (Vec<bool>, u64
     (resident, kept)
 }
 
+/// How the spine sits in a RAM budget: whole, or the layers that fit kept and the rest read each
+/// pass (the embedding then read by row, unless tied to the output head). What the engine does
+/// at open and what `deltafin plan` projects, from one place.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct SpineFit {
+    /// Spine bytes in RAM: everything kept, plus two streamed layers' buffers when some stream.
+    pub resident_bytes: u64,
+    /// The least the spine can do with: output head, norms, the embedding's row checksums and
+    /// the two largest layers' buffers.
+    pub minimum: u64,
+    /// Per layer: read each pass.
+    pub streamed: Vec<bool>,
+    pub embed_by_row: bool,
+}
+
+impl SpineFit {
+    /// The fit of a spine of `spine` bytes (layers of `layer_bytes`, an embedding of
+    /// `embed_bytes` over `vocab` rows) in `room` bytes.
+    pub(crate) fn new(spine: u64, layer_bytes: &[u64], embed_bytes: u64, vocab: usize, tied: bool, room: u64) -> SpineFit {
+        let embed = if tied { 0 } else { embed_bytes };
+        let row_sums = if embed > 0 { 8 * vocab as u64 } else { 0 };
+        let minimum = spine - layer_bytes.iter().sum::<u64>() - embed + row_sums + two_layers(layer_bytes);
+        if room >= spine {
+            return SpineFit { resident_bytes: spine, minimum, streamed: vec![false; layer_bytes.len()], embed_by_row: false };
+        }
+        let (resident, kept) = choose_resident(layer_bytes, room.saturating_sub(minimum));
+        SpineFit { resident_bytes: minimum + kept, minimum, streamed: resident.iter().map(|r| !r).collect(), embed_by_row: embed > 0 }
+    }
+
+    /// Layers read each pass.
+    pub(crate) fn streamed_layers(&self) -> usize {
+        self.streamed.iter().filter(|s| **s).count()
+    }
+
+    /// Spine bytes read each pass.
+    pub(crate) fn read_per_pass(&self, layer_bytes: &[u64]) -> u64 {
+        layer_bytes.iter().zip(&self.streamed).filter(|(_, s)| **s).map(|(b, _)| b).sum()
+    }
+}
+
 /// RAM for the streamed layers in memory at once: the one running and the one read ahead (two
 /// different layers, so at most the two largest).
 pub(crate) fn two_layers(layer_bytes: &[u64]) -> u64 {
@@ -146,5 +186,20 @@ mod tests {
         assert_eq!(choose_resident(&[3, 3], 0), (vec![false, false], 0));
         assert_eq!(two_layers(&[5, 9, 2, 7]), 16);
         assert_eq!(two_layers(&[4]), 4);
+    }
+
+    #[test]
+    fn the_spine_fits_whole_or_keeps_what_fits_above_its_minimum() {
+        // 10 bytes of head and norms, a 20-byte embedding of 2 rows, layers of 30, 40, 30.
+        let layers = [30, 40, 30];
+        let whole = SpineFit::new(130, &layers, 20, 2, false, 130);
+        assert_eq!((whole.resident_bytes, whole.streamed_layers(), whole.embed_by_row), (130, 0, false));
+        // Minimum: 10 + 16 bytes of row checksums + the two largest layers (70).
+        assert_eq!(whole.minimum, 96);
+        let part = SpineFit::new(130, &layers, 20, 2, false, 126);
+        assert_eq!((part.resident_bytes, &part.streamed, part.embed_by_row), (126, &vec![false, true, true], true));
+        assert_eq!(part.read_per_pass(&layers), 70);
+        // A tied embedding is the head: never read by row.
+        assert!(!SpineFit::new(130, &layers, 20, 2, true, 100).embed_by_row);
     }
 }
