@@ -47,9 +47,10 @@ pub struct SetupArgs {
     /// HF_HUB_OFFLINE are honoured), with --full read from the local Hugging Face cache
     /// (HF_HUB_CACHE, HF_HOME), in place with --in-place.
     #[arg(long)]
-    pub from: String,
+    #[arg(long, required_unless_present = "rebalance")]
+    pub from: Option<String>,
     /// Install the whole model now ("full" mode).
-    #[arg(long, required_unless_present = "stream", conflicts_with = "stream")]
+    #[arg(long, required_unless_present_any = ["stream", "rebalance"], conflicts_with = "stream")]
     pub full: bool,
     /// Start small ("stream" mode): config, tokenizer and spine now, each expert fetched from the
     /// hub the first time it is needed and cached.
@@ -70,9 +71,24 @@ pub struct SetupArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// A folder on a drive to hold experts (with --stream: the expert cache, spread over the
-    /// folders given); repeat for several drives (default: the store).
-    #[arg(long = "home")]
-    pub homes: Vec<PathBuf>,
+    /// folders given); repeat for several drives (default: the store). PATH:SIZE states how much
+    /// it may hold (default: its free space), PATH:SIZE:RATE or PATH::RATE its read rate (e.g.
+    /// 7GB/s; default: measured with a short probe).
+    #[arg(long = "home", value_parser = parse_home)]
+    pub homes: Vec<HomeArg>,
+    /// How experts are spread over several homes: striped (each expert split over every drive
+    /// by its rate; the default with one copy), weighted (whole experts, each drive its share), or
+    /// round-robin (whole experts in turn; the only one with --copies above 1).
+    #[arg(long, value_parser = parse_placement)]
+    pub placement: Option<deltafin::Placement>,
+    /// Print the layout this setup would make (bytes per drive, share of reads, expected read
+    /// rate, and every placement's) and install nothing.
+    #[arg(long)]
+    pub plan: bool,
+    /// Move an installed store's experts onto the --home folders given (a drive added or
+    /// removed) or another --placement, reading them from the store itself; resumable.
+    #[arg(long)]
+    pub rebalance: bool,
     /// Read experts from the checkpoint's shards where they are instead of copying them.
     #[arg(long)]
     pub in_place: bool,
@@ -85,23 +101,129 @@ pub struct SetupArgs {
     pub reinstall: bool,
 }
 
+/// A `--home` argument: a folder and what is stated of its drive.
+#[derive(Clone, Debug)]
+pub struct HomeArg {
+    pub path: PathBuf,
+    pub facts: deltafin::DriveFacts,
+}
+
+/// Parses `PATH`, `PATH:SIZE`, `PATH:SIZE:RATE` or `PATH::RATE` (a rate ends in `/s`). A path
+/// that itself holds a colon is taken whole when what follows it is not a size or rate.
+fn parse_home(s: &str) -> Result<HomeArg, String> {
+    let mut facts = deltafin::DriveFacts::default();
+    let mut path = s;
+    for _ in 0..2 {
+        let Some((head, tail)) = path.rsplit_once(':') else { break };
+        if let Some(rate) = tail.strip_suffix("/s") {
+            if facts.rate.is_some() || facts.capacity.is_some() {
+                break;
+            }
+            facts.rate = Some(parse_size(rate)? as f64);
+        } else if tail.is_empty() && facts.rate.is_some() && facts.capacity.is_none() {
+            // PATH::RATE
+        } else if let Ok(size) = parse_size(tail) {
+            if facts.capacity.is_some() {
+                break;
+            }
+            facts.capacity = Some(size);
+        } else {
+            break;
+        }
+        path = head;
+    }
+    if path.is_empty() {
+        return Err(format!("{s:?}: no folder before the size or rate"));
+    }
+    Ok(HomeArg { path: PathBuf::from(path), facts })
+}
+
+fn parse_placement(s: &str) -> Result<deltafin::Placement, String> {
+    deltafin::Placement::from_tag(s).ok_or_else(|| format!("{s:?}: choose striped, weighted or round-robin"))
+}
+
+fn gb(b: f64) -> String {
+    format!("{:.2} GB", b / 1e9)
+}
+
+/// Prints what `setup --plan` found.
+fn print_plan(p: &deltafin::LayoutPlan) {
+    println!("placement: {} ({} cop{} of every byte)", p.placement.tag(), p.copies, if p.copies == 1 { "y" } else { "ies" });
+    println!("experts: {} for one copy", gb(p.expert_bytes as f64));
+    println!("{:<40} {:>12} {:>14} {:>12} {:>12} {:>8}", "home", "capacity", "read rate", "experts", "use", "reads");
+    for h in &p.homes {
+        println!(
+            "{:<40} {:>12} {:>9.2} GB/s {:>12} {:>11.1}% {:>7.1}%   capacity: {}, rate: {}",
+            h.path.display().to_string(),
+            gb(h.capacity as f64),
+            h.rate / 1e9,
+            gb(h.bytes as f64),
+            100.0 * h.bytes as f64 / h.capacity.max(1) as f64,
+            100.0 * h.read_share,
+            h.capacity_from,
+            h.rate_from
+        );
+    }
+    println!(
+        "expected read rate in decode ({} experts per layer): {:.2} GB/s, {:.0}% of the drives' {:.2} GB/s together",
+        p.experts_per_token,
+        p.expected_rate / 1e9,
+        100.0 * p.expected_rate / p.rate_sum,
+        p.rate_sum / 1e9
+    );
+    println!("every placement over these drives:");
+    for (name, r) in &p.alternatives {
+        match r {
+            Some(r) => println!("  {name:<36} {:.2} GB/s ({:.0}%)", r / 1e9, 100.0 * r / p.rate_sum),
+            None => println!("  {name:<36} does not fit"),
+        }
+    }
+}
+
 pub fn run_setup(a: SetupArgs) -> Result<()> {
+    let homes: Vec<PathBuf> = a.homes.iter().map(|h| h.path.clone()).collect();
+    let drives: Vec<deltafin::DriveFacts> = a.homes.iter().map(|h| h.facts).collect();
+    let layout_args = a.rebalance || a.plan || a.placement.is_some() || drives.iter().any(|d| *d != deltafin::DriveFacts::default());
+    if layout_args && (a.stream || a.in_place) {
+        bail!("--rebalance, --plan, --placement and drive sizes or rates apply to copied installs (--full without --in-place)");
+    }
+    let mut opts = SetupOptions::new(a.from.clone().unwrap_or_default(), &a.out)
+        .homes(homes.clone())
+        .layout(if a.in_place { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs })
+        .copies(a.copies)
+        .drives(drives)
+        .reinstall(a.reinstall)
+        .rebalance(a.rebalance);
+    if let Some(p) = a.placement {
+        opts = opts.placement(p);
+    }
+    if a.plan {
+        print_plan(&deltafin::plan_layout(&opts)?);
+        eprintln!("nothing was written; run the same command without --plan to {}", if a.rebalance { "move the store" } else { "install" });
+        return Ok(());
+    }
+    if a.rebalance {
+        let info = setup(&opts, &Bars::new())?;
+        ready(&a.out, &info);
+        return Ok(());
+    }
+    let Some(from) = a.from.clone() else { bail!("--from names the checkpoint to install") };
     if a.stream {
         if a.in_place || a.copies != 1 {
             bail!("--stream keeps one copy of each expert in its cache (spread over --home folders if given); --in-place and --copies apply to --full installs");
         }
-        let cached = deltafin::resolve_model_dir(std::path::Path::new(&a.from));
-        if let (true, Ok(dir)) = (a.from.starts_with("hf://"), cached) {
+        let cached = deltafin::resolve_model_dir(std::path::Path::new(&from));
+        if let (true, Ok(dir)) = (from.starts_with("hf://"), cached) {
             eprintln!(
                 "note: {} is already in the Hugging Face cache ({}): `deltafin setup --full --in-place --from {} --out STORE` uses those files with no download",
-                a.from,
+                from,
                 dir.display(),
-                a.from
+                from
             );
         }
-        let mut opts = deltafin::StreamOptions::new(a.from.clone(), &a.out);
+        let mut opts = deltafin::StreamOptions::new(from.clone(), &a.out);
         opts.disk_budget = a.disk_budget;
-        opts.homes = a.homes.clone();
+        opts.homes = homes.clone();
         opts.fill = a.fill;
         opts.reinstall = a.reinstall;
         if let Some(w) = a.whole_shard_max {
@@ -120,11 +242,6 @@ pub fn run_setup(a: SetupArgs) -> Result<()> {
     if a.in_place && !a.homes.is_empty() {
         bail!("--in-place reads experts from the checkpoint folder; --home only applies to copied packs");
     }
-    let opts = SetupOptions::new(&a.from, &a.out)
-        .homes(a.homes.clone())
-        .layout(if a.in_place { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs })
-        .copies(a.copies)
-        .reinstall(a.reinstall);
     let info = setup(&opts, &Bars::new())?;
     ready(&a.out, &info);
     Ok(())

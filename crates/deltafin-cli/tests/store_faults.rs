@@ -12,15 +12,6 @@ use std::process::Command;
 
 use deltafin_store::Manifest;
 
-/// Runs a command that must fail cleanly (an error, not a panic); returns its stderr.
-fn fails(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "{cmd:?} succeeded: stdout {}", String::from_utf8_lossy(&out.stdout));
-    assert!(!err.contains("panicked") && out.status.code() == Some(1), "{cmd:?} must fail with an error, not a panic: {err}");
-    err
-}
-
 fn copy_dir(src: &Path, dst: &Path) {
     std::fs::create_dir_all(dst).unwrap();
     for e in std::fs::read_dir(src).unwrap() {

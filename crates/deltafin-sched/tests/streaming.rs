@@ -36,7 +36,9 @@ fn make_store(dir: &Path, homes: usize, copies: usize, layout: ExpertLayoutKind)
         std::fs::create_dir_all(h).unwrap();
     }
     let homes = if layout == ExpertLayoutKind::InPlace { Vec::new() } else { homes };
-    setup(&SetupOptions::new(fixture(), &out).homes(homes).layout(layout).copies(copies), &NoProgress).unwrap();
+    // Whole experts dealt in turn: the striped and weighted placements have their own test below.
+    let opts = SetupOptions::new(fixture(), &out).homes(homes).layout(layout).copies(copies);
+    setup(&opts.placement(deltafin_store::Placement::RoundRobin), &NoProgress).unwrap();
     out
 }
 
@@ -269,4 +271,47 @@ fn both_cache_policies_with_prefetch_give_identical_ids() {
             assert_eq!(generate(&model, &mut |_| {}).unwrap(), want, "{policy:?}, budget {budget:?}");
         }
     }
+}
+
+#[test]
+fn striped_and_weighted_stores_give_identical_ids_and_a_dead_stripe_drive_is_named() {
+    use deltafin_store::{DriveFacts, Placement};
+    let want = reference();
+    let rates = [136e6, 71e6, 71e6, 57e6];
+    for placement in [Placement::Striped, Placement::Weighted] {
+        for homes in 2..=4 {
+            let tmp = tempfile::tempdir().unwrap();
+            let out = tmp.path().join("store");
+            let dirs: Vec<PathBuf> = (0..homes).map(|h| tmp.path().join(format!("drive{h}"))).collect();
+            let facts = rates[..homes].iter().map(|&r| DriveFacts { capacity: None, rate: Some(r) }).collect();
+            setup(&SetupOptions::new(fixture(), &out).homes(dirs).placement(placement).drives(facts), &NoProgress).unwrap();
+            let min = minimum_budget(&out);
+            for (budget, split_min, queue_depth) in [(Some(min), 8192, 1), (Some(min + 20 * 16384), 8192, 3), (None, u64::MAX, 2)] {
+                let model = EngineBuilder::new(&out)
+                    .ram_budget(budget)
+                    .split_reads_min(split_min)
+                    .queue_depth(queue_depth)
+                    .prefetch(true)
+                    .open()
+                    .unwrap();
+                assert_eq!(generate(&model, &mut |_| {}).unwrap(), want, "{placement:?} over {homes}, budget {budget:?}");
+            }
+        }
+    }
+    // A striped store keeps one copy of every byte: a drive that dies mid-run is an error naming
+    // it and the bytes it held, never a wrong token.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("store");
+    let dirs: Vec<PathBuf> = (0..2).map(|h| tmp.path().join(format!("drive{h}"))).collect();
+    setup(&SetupOptions::new(fixture(), &out).homes(dirs.clone()), &NoProgress).unwrap();
+    let model = EngineBuilder::new(&out).ram_budget(Some(minimum_budget(&out))).open().unwrap();
+    let gone = deltafin_store::Manifest::read(&out).unwrap().homes[1].clone();
+    let err = generate(&model, &mut |n| {
+        if n == 2 {
+            std::fs::remove_dir_all(&gone).unwrap();
+        }
+    })
+    .expect_err("a dead drive with the only copy of a stripe must fail")
+    .to_string();
+    assert!(err.contains(&gone.display().to_string()) && err.contains("no other drive has them"), "{err}");
 }

@@ -91,7 +91,7 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
         return Ok(r);
     }
     let spine_total: u64 = m.spine.values().map(|t| t.len).sum();
-    let expert_total: u64 = m.experts.iter().map(|e| e.len * e.copies.len() as u64).sum();
+    let expert_total: u64 = m.experts.iter().flat_map(|e| e.copies.iter().map(|c| c.range(e.len).1)).sum();
     progress.begin(if verify { "verify" } else { "check" }, spine_total + expert_total);
     let mut buf = Vec::new();
     let files: Vec<Option<std::fs::File>> = (0..m.spine_files.len()).map(|i| std::fs::File::open(m.spine_path(dir, i)).ok()).collect();
@@ -119,12 +119,16 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
         for c in &e.copies {
             r.copies_checked += 1;
             let path = m.copy_path(c);
-            let what = format!("expert {}/{} in {} at offset {}", e.layer, e.expert, path.display(), c.offset);
+            let (len, sum, part) = match &c.stripe {
+                Some(s) => (s.len, s.xxh3.as_str(), format!(" (bytes {}..{})", s.start, s.start + s.len)),
+                None => (e.len, e.xxh3.as_str(), String::new()),
+            };
+            let what = format!("expert {}/{}{part} in {} at offset {}", e.layer, e.expert, path.display(), c.offset);
             match std::fs::File::open(&path) {
                 Err(err) => r.problems.push(format!("{what}: missing ({err})")),
-                Ok(f) => check_range(&f, (c.offset, e.len, &e.xxh3), &what, verify, &mut buf, &mut r.problems),
+                Ok(f) => check_range(&f, (c.offset, len, sum), &what, verify, &mut buf, &mut r.problems),
             }
-            progress.advance(e.len);
+            progress.advance(len);
         }
     }
     progress.end();
@@ -160,7 +164,7 @@ fn check_padding(dir: &Path, m: &Manifest, r: &mut DoctorReport) {
     }
     for e in &m.experts {
         for c in &e.copies {
-            files.entry(m.copy_path(c)).or_default().push((c.offset, c.offset + e.len));
+            files.entry(m.copy_path(c)).or_default().push((c.offset, c.offset + c.range(e.len).1));
         }
     }
     for (path, mut used) in files {
@@ -268,6 +272,11 @@ pub fn repair(dir: &Path, progress: &dyn Progress) -> Result<Manifest> {
     let opts = SetupOptions::new(&rec.source, dir)
         .homes(rec.homes.clone())
         .layout(if rec.layout == crate::manifest::LAYOUT_IN_PLACE { ExpertLayoutKind::InPlace } else { ExpertLayoutKind::Packs })
-        .copies(rec.copies);
+        .copies(rec.copies)
+        .drives(rec.drives.clone());
+    let opts = match crate::setup::Placement::from_tag(&rec.placement) {
+        Some(p) => opts.placement(p),
+        None => return Err(Error::format(dir, format!("unknown placement {:?} in the setup record", rec.placement))),
+    };
     crate::setup::setup(&opts, progress)
 }

@@ -44,13 +44,13 @@ pub use crate::{
     lock::{DirLock, LOCK_FILE},
     manifest::{
         checksum, read_sealed, repair_advice, write_sealed, Copy, ExpertEntry, FileSum, Manifest, SealError, SetupRecord, SpineTensor,
-        ALIGN, FORMAT, LAYOUT_IN_PLACE, LAYOUT_PACKS, LAYOUT_STREAM,
+        Stripe, ALIGN, FORMAT, LAYOUT_IN_PLACE, LAYOUT_PACKS, LAYOUT_STREAM,
     },
     memory::{peak_rss_bytes, AlignedBuf, Budget, BUF_ALIGN},
     reader::{aligned_window, open_for_read, read_aligned, CacheMode},
     setup::{
-        assign_homes, checkpoint_store, deltafin_home, drop_cache, setup, setup_stream, ExpertLayoutKind, LocalFiles, NoProgress, Progress,
-        SetupOptions, SpanSource, StreamOptions, PACKS_DIR,
+        checkpoint_store, deltafin_home, drop_cache, plan_layout, setup, setup_stream, DriveFacts, ExpertLayoutKind, LayoutPlan,
+        LocalFiles, NoProgress, Placement, PlannedHome, Progress, SetupOptions, SpanSource, StreamOptions, PACKS_DIR,
     },
     source::{Delivery, ExpertSource, HomeStats, MappedExperts, Priority, SourceStats},
     store::{LayerSpine, Store},

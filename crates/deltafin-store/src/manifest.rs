@@ -50,7 +50,7 @@ pub struct FileSum {
     pub xxh3: String,
 }
 
-/// One copy of an expert.
+/// One copy of an expert, or one stripe of it.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Copy {
     /// Index into [`Manifest::homes`].
@@ -58,6 +58,38 @@ pub struct Copy {
     /// Path relative to the home.
     pub file: String,
     pub offset: u64,
+    /// Set when this holds only part of the expert (the striped placement): which bytes, with
+    /// their own checksum (so a corrupt stripe is named). `None`: the whole expert.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stripe: Option<Stripe>,
+}
+
+/// The part of an expert a stripe holds: bytes `[start, start + len)`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Stripe {
+    pub start: u64,
+    pub len: u64,
+    /// xxh3-64 of the stripe's bytes, hex.
+    pub xxh3: String,
+}
+
+impl Copy {
+    /// A copy of the whole expert.
+    pub fn whole(home: usize, file: String, offset: u64) -> Copy {
+        Copy { home, file, offset, stripe: None }
+    }
+
+    /// The expert bytes this copy holds, `(start, len)`, for an expert of `len` bytes.
+    pub fn range(&self, len: u64) -> (u64, u64) {
+        self.stripe.as_ref().map_or((0, len), |s| (s.start, s.len))
+    }
+}
+
+impl ExpertEntry {
+    /// Whether the expert is striped over drives (each byte on one drive), not held whole.
+    pub fn is_striped(&self) -> bool {
+        self.copies.iter().any(|c| c.stripe.is_some())
+    }
 }
 
 /// One routed expert.
@@ -73,7 +105,7 @@ pub struct ExpertEntry {
 
 /// The arguments a store was set up with: what `doctor --repair` re-runs, and what a resumed
 /// setup must match.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct SetupRecord {
     /// The checkpoint folder (absolute).
     pub source: PathBuf,
@@ -84,6 +116,23 @@ pub struct SetupRecord {
     /// Homes as given (absolute; empty = the store folder).
     pub homes: Vec<PathBuf>,
     pub copies: usize,
+    /// How experts are spread over the homes: `round-robin`, `striped` or `weighted`
+    /// (`setup/placement.rs`). Stores made before placements existed are round-robin.
+    #[serde(default = "round_robin")]
+    pub placement: String,
+    /// The fraction of expert bytes each home holds (striped and weighted), fixed when the plan
+    /// was made (from capacities and read rates), so a resumed or repaired setup places every
+    /// byte exactly where the first run did.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<f64>,
+    /// The capacities and rates stated for the homes, by position (what the shares were made
+    /// from; unstated ones were found at setup).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drives: Vec<crate::setup::DriveFacts>,
+}
+
+fn round_robin() -> String {
+    "round-robin".into()
 }
 
 impl SetupRecord {
@@ -96,11 +145,27 @@ impl SetupRecord {
         if self.layout == LAYOUT_IN_PLACE {
             c.push_str(" --in-place");
         }
-        for h in &self.homes {
+        for (i, h) in self.homes.iter().enumerate() {
             c.push_str(&format!(" --home {}", h.display()));
+            let f = self.drives.get(i).copied().unwrap_or_default();
+            match (f.capacity, f.rate) {
+                (None, None) => {}
+                (cap, rate) => {
+                    c.push(':');
+                    if let Some(cap) = cap {
+                        c.push_str(&cap.to_string());
+                    }
+                    if let Some(rate) = rate {
+                        c.push_str(&format!(":{rate}/s"));
+                    }
+                }
+            }
         }
         if self.copies != 1 {
             c.push_str(&format!(" --copies {}", self.copies));
+        }
+        if self.placement != "round-robin" {
+            c.push_str(&format!(" --placement {}", self.placement));
         }
         c
     }
@@ -321,6 +386,9 @@ impl Manifest {
                 }
                 c.offset.checked_add(e.len).ok_or_else(|| bad(format!("{name}: offset {} overflows", c.offset)))?;
             }
+            if e.is_striped() {
+                check_stripes(e).map_err(|why| bad(format!("{name}: {why}")))?;
+            }
         }
         let want = moe.len() * cfg.num_experts;
         if seen.len() != want {
@@ -365,6 +433,26 @@ impl Manifest {
         }
         format!("{:032x}", h.digest128())
     }
+}
+
+/// A striped expert's copies are stripes only, in order, page-aligned, covering every byte once,
+/// each with its own checksum: a reader then never reads past the expert or leaves a gap.
+fn check_stripes(e: &ExpertEntry) -> std::result::Result<(), String> {
+    let mut at = 0u64;
+    for c in &e.copies {
+        let Some(s) = &c.stripe else { return Err("mixes whole copies and stripes".into()) };
+        if s.start != at || s.len == 0 || s.start % ALIGN != 0 || !is_hex(&s.xxh3, 16) {
+            return Err(format!(
+                "stripe at {} of {} bytes does not continue at {at} (or is empty, unaligned or unchecked)",
+                s.start, s.len
+            ));
+        }
+        at += s.len;
+    }
+    if at != e.len {
+        return Err(format!("stripes cover {at} of its {} bytes", e.len));
+    }
+    Ok(())
 }
 
 /// The advice for a store whose own bytes are wrong.

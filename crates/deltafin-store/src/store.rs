@@ -79,13 +79,19 @@ impl Store {
             let mut why = Vec::new();
             for c in &e.copies {
                 let p = m.copy_path(c);
+                let end = c.offset + c.range(e.len).1;
                 match len_of(p.clone()) {
-                    Some(n) if n >= c.offset + e.len => {
+                    // A whole copy is enough; a striped expert needs every stripe.
+                    Some(n) if n >= end && c.stripe.is_none() => {
                         why.clear();
                         break;
                     }
-                    Some(n) => why.push(format!("{} is {n} bytes, the expert ends at {} (truncated)", p.display(), c.offset + e.len)),
+                    Some(n) if n >= end => {}
+                    Some(n) => why.push(format!("{} is {n} bytes, the expert ends at {end} (truncated)", p.display())),
                     None => why.push(format!("{} is missing (drive not mounted?)", p.display())),
+                }
+                if c.stripe.is_some() && !why.is_empty() {
+                    break;
                 }
             }
             if !why.is_empty() {

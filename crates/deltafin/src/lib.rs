@@ -42,8 +42,8 @@ pub use deltafin_sched::{
 };
 pub use deltafin_spec::{Drafter, NgramDrafter};
 pub use deltafin_store::{
-    hf_hub_cache, resolve_model_dir, DoctorReport, ExpertLayoutKind, HomeStats, NoProgress, Progress, SetupOptions, StreamOptions,
-    DEFAULT_SPLIT_MIN,
+    hf_hub_cache, resolve_model_dir, DoctorReport, DriveFacts, ExpertLayoutKind, HomeStats, LayoutPlan, NoProgress, Placement, PlannedHome,
+    Progress, SetupOptions, StreamOptions, DEFAULT_SPLIT_MIN,
 };
 
 /// What a store holds, as [`setup`] and [`repair`] leave it.
@@ -81,6 +81,12 @@ impl StoreInfo {
 /// checkpoint with the same options).
 pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<StoreInfo> {
     Ok(StoreInfo::of(&deltafin_store::setup(opts, progress)?))
+}
+
+/// The layout [`setup`] with `opts` would make (bytes per drive, shares of reads, the read rate
+/// decode can expect, and every placement's), installing nothing.
+pub fn plan_layout(opts: &SetupOptions) -> Result<LayoutPlan> {
+    Ok(deltafin_store::plan_layout(opts)?)
 }
 
 /// Sets up (or resumes) a stream store: the revision pinned, config, tokenizer and spine

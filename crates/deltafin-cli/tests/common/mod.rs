@@ -25,3 +25,12 @@ pub fn ok(cmd: &mut Command) -> String {
     assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
+
+/// Runs a command that must fail cleanly (an error, not a panic); returns its stderr.
+pub fn fails(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{cmd:?} succeeded: stdout {}", String::from_utf8_lossy(&out.stdout));
+    assert!(!err.contains("panicked") && out.status.code() == Some(1), "{cmd:?} must fail with an error, not a panic: {err}");
+    err
+}

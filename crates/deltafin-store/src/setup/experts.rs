@@ -5,17 +5,18 @@
 //! damaged pack is rewritten from the checkpoint (packs) or reported as a changed checkpoint
 //! (in place, where the shards are the store).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{assign_homes, crash_point, ExpertLayoutKind, Install, Progress, SpanSource, PACKS_DIR};
+use super::placement::Slot;
+use super::{crash_point, ExpertLayoutKind, Install, Progress, SpanSource, PACKS_DIR};
 use crate::checkpoint::ExpertSpan;
 use crate::error::{Error, Result};
-use crate::manifest::{align_up, checksum, read_sealed, rename_synced, tmp_path, write_sealed, Copy, ExpertEntry};
+use crate::manifest::{align_up, checksum, read_sealed, rename_synced, tmp_path, write_sealed, Copy, ExpertEntry, Stripe};
 
 /// A layer's record offsets within an expert span.
 type RecordLayout = (usize, [usize; 6]);
@@ -32,6 +33,10 @@ struct LayerSidecar {
     home: usize,
     bytes: u64,
     experts: Table,
+    /// For experts this file holds a stripe of: the whole expert's checksum (the table has the
+    /// stripe's).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    whole: BTreeMap<usize, String>,
 }
 
 /// Installs every MoE layer's experts; returns the record layouts and the manifest entries.
@@ -43,6 +48,11 @@ pub(super) fn install(plan: &Install, kind: ExpertLayoutKind, progress: &dyn Pro
         ExpertLayoutKind::Packs => plan.record.copies,
     };
     let per_layer = cfg.expert_shape().total_bytes() as u64 * (cfg.num_experts * copies) as u64;
+    let per_layer = if kind == ExpertLayoutKind::Packs && plan.layout.placement != super::Placement::RoundRobin {
+        cfg.expert_shape().total_bytes() as u64 * cfg.num_experts as u64
+    } else {
+        per_layer
+    };
     progress.begin("experts", per_layer * moe.len() as u64);
     let mut layouts = Vec::new();
     let mut entries = Vec::new();
@@ -75,13 +85,20 @@ fn in_place_layer(plan: &Install, l: usize, spans: &[ExpertSpan], progress: &dyn
         plan.check_source(&format!("expert {l}/{e}"), &file, &sum, recorded.as_deref())?;
         progress.advance(s.len);
         table.insert(e, (s.offset, s.len, sum.clone()));
-        let copy = Copy { home: 0, file: rel.to_string_lossy().into_owned(), offset: s.offset };
+        let copy = Copy::whole(0, rel.to_string_lossy().into_owned(), s.offset);
         entries.push(ExpertEntry { layer: l, expert: e, len: s.len, xxh3: sum, copies: vec![copy] });
     }
     let bytes = spans.iter().map(|s| s.len).sum();
     write_sealed(
         &side_path,
-        &LayerSidecar { source_id: plan.record.source_id.clone(), pack_dir: String::new(), home: 0, bytes, experts: table },
+        &LayerSidecar {
+            source_id: plan.record.source_id.clone(),
+            pack_dir: String::new(),
+            home: 0,
+            bytes,
+            experts: table,
+            whole: BTreeMap::new(),
+        },
     )?;
     Ok(entries)
 }
@@ -92,74 +109,126 @@ fn pack_is_intact(path: &Path, table: &Table) -> bool {
     super::readback::is_exact(path, &ranges, &super::NoProgress)
 }
 
+/// Fills the buffer with expert `e`'s bytes, checked, and returns their checksum; the argument
+/// is the checksum an earlier run recorded for them, if any.
+pub(super) type FetchExpert<'a> = dyn Fn(usize, &mut Vec<u8>, Option<&str>) -> Result<String> + 'a;
+
 fn pack_layer(plan: &Install, l: usize, spans: &[ExpertSpan], progress: &dyn Progress) -> Result<Vec<ExpertEntry>> {
+    let fetch = |e: usize, buf: &mut Vec<u8>, recorded: Option<&str>| -> Result<String> {
+        let s = &spans[e];
+        buf.resize(s.len as usize, 0);
+        plan.src.read_span(&s.file, s.offset, buf)?;
+        let sum = checksum(buf);
+        plan.check_source(&format!("expert {l}/{e}"), &s.file, &sum, recorded)?;
+        Ok(sum)
+    };
+    write_layer_packs(&plan.target(), l, spans.len(), spans.first().map_or(0, |s| s.len), &fetch, progress)
+}
+
+/// Where a layer's packs go: the homes, their pack folders and the layout over them.
+pub(super) struct PackTarget<'a> {
+    pub source_id: &'a str,
+    pub homes: &'a [PathBuf],
+    pub pack_dirs: &'a [String],
+    pub layout: &'a super::Layout,
+    /// Checksums an earlier run recorded, by (layer, expert).
+    pub earlier: &'a HashMap<(usize, usize), String>,
+}
+
+impl Install<'_> {
+    pub(super) fn target(&self) -> PackTarget<'_> {
+        PackTarget {
+            source_id: &self.record.source_id,
+            homes: &self.homes,
+            pack_dirs: &self.pack_dirs,
+            layout: &self.layout,
+            earlier: &self.earlier_experts,
+        }
+    }
+}
+
+/// Writes (or finds intact) the packs of MoE layer `l` on every home, as `plan.layout` places
+/// its `count` experts of `len` bytes, taking each expert's bytes from `fetch`.
+pub(super) fn write_layer_packs(
+    plan: &PackTarget<'_>,
+    l: usize,
+    count: usize,
+    len: u64,
+    fetch: &FetchExpert<'_>,
+    progress: &dyn Progress,
+) -> Result<Vec<ExpertEntry>> {
     let n = plan.homes.len();
-    let copies = plan.record.copies;
     let rels: Vec<String> = plan.pack_dirs.iter().map(|d| format!("{PACKS_DIR}/{d}/L{l:03}.pack")).collect();
     let paths: Vec<PathBuf> = plan.homes.iter().zip(&rels).map(|(h, r)| h.join(r)).collect();
     let sides: Vec<PathBuf> = paths.iter().map(|p| PathBuf::from(format!("{}.json", p.display()))).collect();
-    let assigned: Vec<Vec<usize>> =
-        (0..n).map(|h| (0..spans.len()).filter(|&e| assign_homes(l, e, n, copies).contains(&h)).collect()).collect();
+    let slots: Vec<Vec<Slot>> = (0..count).map(|e| plan.layout.slots(l, e, len)).collect();
+    // What each home holds of each expert: (expert, bytes).
+    let assigned: Vec<Vec<(usize, u64)>> =
+        (0..n).map(|h| (0..count).flat_map(|e| slots[e].iter().filter(|s| s.home == h).map(move |s| (e, s.len))).collect()).collect();
     let existing: Vec<Option<LayerSidecar>> = (0..n)
         .map(|h| {
             read_sealed::<LayerSidecar>(&sides[h]).ok().filter(|s| {
-                s.source_id == plan.record.source_id
+                s.source_id == plan.source_id
                     && s.pack_dir == plan.pack_dirs[h]
                     && s.home == h
-                    && s.experts.keys().copied().eq(assigned[h].iter().copied())
+                    && s.experts.iter().map(|(e, x)| (*e, x.1)).eq(assigned[h].iter().copied())
             })
         })
         .collect();
-    let layer_bytes = spans.iter().map(|s| s.len).sum::<u64>() * copies as u64;
+    let layer_bytes: u64 = slots.iter().flatten().map(|s| s.len).sum();
     let sizes_match =
         (0..n).all(|h| existing[h].as_ref().is_some_and(|s| std::fs::metadata(&paths[h]).map(|m| m.len()).ok() == Some(s.bytes)));
-    // Every copy of an expert must carry the same checksum (the same checkpoint bytes).
-    let agree = (0..spans.len()).all(|e| {
-        let sums: Vec<&String> = existing.iter().flatten().filter_map(|s| s.experts.get(&e)).map(|x| &x.2).collect();
+    // The checksum each home's sidecar records for the whole of expert `e`.
+    let whole_sum = |s: &LayerSidecar, e: usize| -> Option<String> {
+        s.whole.get(&e).cloned().or_else(|| s.experts.get(&e).filter(|_| !s.whole.contains_key(&e)).map(|x| x.2.clone()))
+    };
+    // Every home must agree on each expert's checksum (the same checkpoint bytes).
+    let agree = (0..count).all(|e| {
+        let sums: Vec<String> = existing.iter().flatten().filter_map(|s| whole_sum(s, e)).collect();
         sums.windows(2).all(|w| w[0] == w[1])
     });
-    if sizes_match && agree && (0..n).all(|h| pack_is_intact(&paths[h], &existing[h].as_ref().expect("complete").experts)) {
+    let intact = || (0..n).all(|h| pack_is_intact(&paths[h], &existing[h].as_ref().expect("complete").experts));
+    if sizes_match && agree && intact() {
         progress.advance(layer_bytes);
+        let sums: Vec<String> =
+            (0..count).map(|e| existing.iter().flatten().find_map(|s| whole_sum(s, e)).expect("every expert is on some home")).collect();
         let tables: Vec<&Table> = existing.iter().map(|s| &s.as_ref().expect("complete").experts).collect();
-        return Ok(entries(l, spans.len(), n, copies, &rels, |h| tables[h]));
+        return Ok(entries(l, &slots, &sums, &rels, |h| tables[h]));
     }
     if existing.iter().any(Option::is_some) {
         eprintln!("deltafin setup: the packs of layer {l} are incomplete or damaged; rewriting them");
     }
     let recorded = |e: usize| -> Option<String> {
-        existing
-            .iter()
-            .flatten()
-            .find_map(|s| s.experts.get(&e))
-            .map(|x| x.2.clone())
-            .or_else(|| plan.earlier_expert(l, e).map(str::to_string))
+        existing.iter().flatten().find_map(|s| whole_sum(s, e)).or_else(|| plan.earlier.get(&(l, e)).cloned())
     };
     let tmps: Vec<PathBuf> = paths.iter().map(|p| tmp_path(p)).collect();
-    let written = (|| -> Result<Vec<Table>> {
+    let written = (|| -> Result<(Vec<Table>, Vec<String>)> {
         let files: Vec<File> = tmps.iter().map(|t| File::create(t).map_err(Error::io(t))).collect::<Result<_>>()?;
         let mut offsets = vec![0u64; n];
         let mut tables = vec![Table::new(); n];
+        let mut sums = Vec::with_capacity(count);
         let mut buf = Vec::new();
-        for (e, s) in spans.iter().enumerate() {
-            buf.resize(s.len as usize, 0);
-            plan.src.read_span(&s.file, s.offset, &mut buf)?;
-            let sum = checksum(&buf);
-            plan.check_source(&format!("expert {l}/{e}"), &s.file, &sum, recorded(e).as_deref())?;
-            for h in assign_homes(l, e, n, copies) {
-                files[h].write_all_at(&buf, offsets[h]).map_err(Error::io(&tmps[h]))?;
-                tables[h].insert(e, (offsets[h], s.len, sum.clone()));
+        for (e, expert_slots) in slots.iter().enumerate() {
+            let sum = fetch(e, &mut buf, recorded(e).as_deref())?;
+            for s in expert_slots {
+                let h = s.home;
+                let part = &buf[s.start as usize..(s.start + s.len) as usize];
+                files[h].write_all_at(part, offsets[h]).map_err(Error::io(&tmps[h]))?;
+                let part_sum = if s.stripe { checksum(part) } else { sum.clone() };
+                tables[h].insert(e, (offsets[h], s.len, part_sum));
                 offsets[h] = align_up(offsets[h] + s.len);
                 progress.advance(s.len);
             }
+            sums.push(sum);
         }
         for h in 0..n {
             files[h].set_len(offsets[h]).map_err(Error::io(&tmps[h]))?;
             files[h].sync_all().map_err(Error::io(&tmps[h]))?;
             super::drop_cache(&files[h]);
         }
-        Ok(tables)
+        Ok((tables, sums))
     })();
-    let tables = match written {
+    let (tables, sums) = match written {
         Ok(t) => t,
         Err(e) => {
             for t in &tmps {
@@ -171,25 +240,40 @@ fn pack_layer(plan: &Install, l: usize, spans: &[ExpertSpan], progress: &dyn Pro
     for h in 0..n {
         rename_synced(&tmps[h], &paths[h])?;
         let bytes = tables[h].values().map(|(o, len, _)| align_up(o + len)).max().unwrap_or(0);
+        let whole = slots
+            .iter()
+            .enumerate()
+            .filter(|(_, ss)| ss.iter().any(|s| s.home == h && s.stripe))
+            .map(|(e, _)| (e, sums[e].clone()))
+            .collect();
         let side = LayerSidecar {
-            source_id: plan.record.source_id.clone(),
+            source_id: plan.source_id.to_string(),
             pack_dir: plan.pack_dirs[h].clone(),
             home: h,
             bytes,
             experts: tables[h].clone(),
+            whole,
         };
         write_sealed(&sides[h], &side)?;
     }
-    Ok(entries(l, spans.len(), n, copies, &rels, |h| &tables[h]))
+    Ok(entries(l, &slots, &sums, &rels, |h| &tables[h]))
 }
 
-fn entries<'t>(l: usize, count: usize, n: usize, copies: usize, rels: &[String], table: impl Fn(usize) -> &'t Table) -> Vec<ExpertEntry> {
-    (0..count)
-        .map(|e| {
-            let hs = assign_homes(l, e, n, copies);
-            let (_, len, sum) = table(hs[0])[&e].clone();
-            let copies = hs.iter().map(|&h| Copy { home: h, file: rels[h].clone(), offset: table(h)[&e].0 }).collect();
-            ExpertEntry { layer: l, expert: e, len, xxh3: sum, copies }
+fn entries<'t>(l: usize, slots: &[Vec<Slot>], sums: &[String], rels: &[String], table: impl Fn(usize) -> &'t Table) -> Vec<ExpertEntry> {
+    slots
+        .iter()
+        .enumerate()
+        .map(|(e, ss)| {
+            let len = if ss.iter().any(|s| s.stripe) { ss.iter().map(|s| s.len).sum() } else { ss[0].len };
+            let copies = ss
+                .iter()
+                .map(|s| {
+                    let (offset, _, part_sum) = table(s.home)[&e].clone();
+                    let stripe = s.stripe.then_some(Stripe { start: s.start, len: s.len, xxh3: part_sum });
+                    Copy { home: s.home, file: rels[s.home].clone(), offset, stripe }
+                })
+                .collect();
+            ExpertEntry { layer: l, expert: e, len, xxh3: sums[e].clone(), copies }
         })
         .collect()
 }

@@ -27,15 +27,22 @@
 
 mod experts;
 mod implicit;
+mod placement;
+mod plan;
 mod readback;
+mod rebalance;
 mod space;
 mod spine;
 mod stream;
 
 pub use implicit::{checkpoint_store, deltafin_home};
+pub use placement::{DriveFacts, Placement};
+pub use plan::{plan_layout, LayoutPlan, PlannedHome};
 pub use stream::{setup_stream, StreamOptions};
 
 use std::collections::{BTreeMap, HashMap};
+
+pub(crate) use placement::Layout;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -165,11 +172,20 @@ pub struct SetupOptions {
     /// One folder per drive; empty = the store folder itself.
     pub homes: Vec<PathBuf>,
     pub layout: ExpertLayoutKind,
-    /// How many homes hold each expert (packs only), at most the number of homes.
+    /// How many homes hold each expert (packs only, round-robin), at most the number of homes.
     pub copies: usize,
+    /// How experts are spread over the homes; `None`: striped over several homes with one copy,
+    /// else round-robin.
+    pub placement: Option<Placement>,
+    /// Capacity and read rate of each home's drive where stated (by position; missing or `None`:
+    /// free space, probed rate).
+    pub drives: Vec<DriveFacts>,
     /// Replace whatever the store (or a half-finished setup there) holds, even another
     /// checkpoint or other arguments.
     pub reinstall: bool,
+    /// Move an installed store's experts onto these homes and this placement, reading them from
+    /// the store itself (`setup --rebalance`).
+    pub rebalance: bool,
 }
 
 impl SetupOptions {
@@ -181,7 +197,10 @@ impl SetupOptions {
             homes: Vec::new(),
             layout: ExpertLayoutKind::Packs,
             copies: 1,
+            placement: None,
+            drives: Vec::new(),
             reinstall: false,
+            rebalance: false,
         }
     }
     /// Folders on the drives to hold experts, one per drive (default: the store folder).
@@ -204,12 +223,25 @@ impl SetupOptions {
         self.reinstall = on;
         self
     }
-}
-
-/// Which homes hold expert `e` of layer `l`: `copies` consecutive homes from a rotating start,
-/// so every drive gets an equal share of every layer.
-pub fn assign_homes(l: usize, e: usize, homes: usize, copies: usize) -> Vec<usize> {
-    (0..copies.min(homes)).map(|j| (e + l + j) % homes).collect()
+    /// How experts are spread over the homes.
+    pub fn placement(mut self, placement: Placement) -> SetupOptions {
+        self.placement = Some(placement);
+        self
+    }
+    /// Stated capacity and read rate of each home's drive, by position.
+    pub fn drives(mut self, drives: Vec<DriveFacts>) -> SetupOptions {
+        self.drives = drives;
+        self
+    }
+    /// Move an installed store onto these homes and placement.
+    pub fn rebalance(mut self, on: bool) -> SetupOptions {
+        self.rebalance = on;
+        self
+    }
+    /// The placement these options ask for.
+    pub(crate) fn placement_kind(&self) -> Placement {
+        self.placement.unwrap_or(if self.homes.len() > 1 && self.copies == 1 { Placement::Striped } else { Placement::RoundRobin })
+    }
 }
 
 fn crash_point(layers_done: usize) {
@@ -241,6 +273,8 @@ pub(crate) struct Install<'a> {
     pub src: LocalFiles,
     /// Where an in-place spine's shards are read at run time (absolute).
     pub spine_dir: PathBuf,
+    /// Which home holds which bytes of every expert.
+    pub layout: placement::Layout,
 }
 
 impl Install<'_> {
@@ -270,23 +304,20 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
     // `hf://OWNER/REPO` names a model in the local Hugging Face cache, used where it is.
     let source = crate::hf_snapshot::resolve_model_dir(&opts.source)?;
     let opts = &SetupOptions { source, ..opts.clone() };
+    if opts.rebalance {
+        return rebalance::rebalance(opts, progress);
+    }
     let ckpt = Checkpoint::open(&opts.source)?;
     ckpt.validate()?;
     let out = &opts.out;
-    let layout = match opts.layout {
+    let layout_tag = match opts.layout {
         ExpertLayoutKind::InPlace => LAYOUT_IN_PLACE,
         ExpertLayoutKind::Packs => LAYOUT_PACKS,
     };
     if opts.layout == ExpertLayoutKind::InPlace && !opts.homes.is_empty() {
         return Err(Error::format(out, "--in-place reads experts from the checkpoint folder; --home only applies to copied packs"));
     }
-    let home_count = opts.homes.len().max(1);
-    if opts.copies == 0 || opts.copies > home_count {
-        return Err(Error::format(
-            out,
-            format!("{} copies asked but {home_count} home(s) given: copies must be 1..={home_count}", opts.copies),
-        ));
-    }
+    check_copies(opts, out)?;
     std::fs::create_dir_all(out).map_err(Error::io(out))?;
     let _store_lock = DirLock::acquire(out)?;
     let source_id = crate::identity::source_id(&ckpt, progress)?;
@@ -295,12 +326,40 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
         std::fs::create_dir_all(h).map_err(Error::io(h))?;
         homes_given.push(std::fs::canonicalize(h).map_err(Error::io(h))?);
     }
-    let record = SetupRecord {
+    let placement = if opts.layout == ExpertLayoutKind::InPlace { Placement::RoundRobin } else { opts.placement_kind() };
+    let mut record = SetupRecord {
         source: std::fs::canonicalize(&opts.source).map_err(Error::io(&opts.source))?,
         source_id,
-        layout: layout.into(),
+        layout: layout_tag.into(),
         homes: homes_given.clone(),
         copies: if opts.layout == ExpertLayoutKind::InPlace { 1 } else { opts.copies },
+        placement: placement.tag().into(),
+        shares: Vec::new(),
+        drives: stated(&opts.drives),
+    };
+    let homes: Vec<PathBuf> = match opts.layout {
+        ExpertLayoutKind::InPlace => vec![record.source.clone()],
+        ExpertLayoutKind::Packs if homes_given.is_empty() => vec![std::fs::canonicalize(out).map_err(Error::io(out))?],
+        ExpertLayoutKind::Packs => homes_given,
+    };
+    let cfg = ckpt.config();
+    let layout = if placement == Placement::RoundRobin {
+        placement::Layout::new(placement, record.copies, vec![1.0 / homes.len() as f64; homes.len()], &cfg.moe_layers(), cfg.num_experts)
+    } else {
+        // A resumed or repaired setup places every byte where the first run did: the shares it
+        // recorded are used again unless other capacities or rates were stated.
+        let recorded = recorded_shares(out, &record);
+        let facts = match &recorded {
+            Some(_) => homes.iter().map(|_| (u64::MAX, "recorded", 1.0, "recorded")).collect(),
+            None => {
+                let dev = |p: &Path| std::fs::metadata(p).map(|m| std::os::unix::fs::MetadataExt::dev(&m)).map_err(Error::io(p));
+                let reserved = BTreeMap::from([(dev(out)?, spine::spine_file_bytes(&ckpt))]);
+                plan::drive_facts(&homes, &opts.drives, &reserved, &BTreeMap::new())?
+            }
+        };
+        let (planned, layout) = plan::layout_plan(cfg, placement, record.copies, &homes, &facts, recorded)?;
+        record.shares = planned.shares;
+        layout
     };
     let earlier = previous(out, &record, opts.reinstall)?;
     write_sealed(&out.join(SETUP_RECORD), &record)?;
@@ -310,16 +369,12 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
     sync_dir(out)?;
     write_atomic(&out.join(crate::store::STORE_MARKER), FORMAT.as_bytes())?;
 
-    let homes: Vec<PathBuf> = match opts.layout {
-        ExpertLayoutKind::InPlace => vec![record.source.clone()],
-        ExpertLayoutKind::Packs if homes_given.is_empty() => vec![std::fs::canonicalize(out).map_err(Error::io(out))?],
-        ExpertLayoutKind::Packs => homes_given,
-    };
     let pack_dirs = (0..homes.len()).map(|h| pack_dir_name(&record, h, homes.len())).collect();
     let earlier_spine = earlier.iter().flat_map(|m| m.spine.iter().map(|(n, t)| (n.clone(), t.xxh3.clone()))).collect();
     let earlier_experts = earlier.iter().flat_map(|m| m.experts.iter().map(|e| ((e.layer, e.expert), e.xxh3.clone()))).collect();
     let spine_dir = record.source.clone();
-    let plan = Install { ckpt: &ckpt, out, record, homes, pack_dirs, earlier_spine, earlier_experts, src: LocalFiles::new(), spine_dir };
+    let plan =
+        Install { ckpt: &ckpt, out, record, homes, pack_dirs, earlier_spine, earlier_experts, src: LocalFiles::new(), spine_dir, layout };
     let mut home_locks = Vec::new();
     if opts.layout == ExpertLayoutKind::Packs {
         for (h, dir) in plan.homes.iter().zip(&plan.pack_dirs) {
@@ -340,7 +395,7 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
         format: FORMAT.into(),
         source_id: plan.record.source_id.clone(),
         content_id: String::new(),
-        layout: layout.into(),
+        layout: layout_tag.into(),
         setup: plan.record.clone(),
         homes: plan.homes.clone(),
         files,
@@ -350,16 +405,62 @@ pub fn setup(opts: &SetupOptions, progress: &dyn Progress) -> Result<Manifest> {
         layouts,
         experts,
     };
-    seal(&mut manifest, &ckpt, out)?;
+    seal(&mut manifest, ckpt.config(), out)?;
     Ok(manifest)
+}
+
+/// Checks `--copies` against the homes and the placement.
+fn check_copies(opts: &SetupOptions, out: &Path) -> Result<()> {
+    let home_count = opts.homes.len().max(1);
+    if opts.copies == 0 || opts.copies > home_count {
+        return Err(Error::format(
+            out,
+            format!("{} copies asked but {home_count} home(s) given: copies must be 1..={home_count}", opts.copies),
+        ));
+    }
+    if opts.copies > 1 && opts.placement.is_some_and(|p| p != Placement::RoundRobin) {
+        return Err(Error::format(
+            out,
+            format!(
+                "--copies {} applies to --placement round-robin; {} keeps one copy of every byte",
+                opts.copies,
+                opts.placement_kind().tag()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The stated drive facts, trimmed of trailing homes with nothing stated (so "nothing stated"
+/// always records as empty).
+fn stated(drives: &[DriveFacts]) -> Vec<DriveFacts> {
+    let keep = drives.iter().rposition(|d| *d != DriveFacts::default()).map_or(0, |i| i + 1);
+    drives[..keep].to_vec()
+}
+
+/// The shares an earlier setup of this same plan recorded (in progress or finished), if the same
+/// capacities and rates were stated.
+fn recorded_shares(out: &Path, record: &SetupRecord) -> Option<Vec<f64>> {
+    let in_progress = read_sealed::<SetupRecord>(&out.join(SETUP_RECORD)).ok();
+    let finished = Manifest::read(out).ok().map(|m| m.setup);
+    in_progress.into_iter().chain(finished).find_map(|p| {
+        let same = p.source_id == record.source_id
+            && p.layout == record.layout
+            && p.homes == record.homes
+            && p.copies == record.copies
+            && p.placement == record.placement
+            && p.drives == record.drives
+            && p.shares.len() == record.homes.len().max(1);
+        same.then_some(p.shares)
+    })
 }
 
 /// Fills in the manifest's derived fields (spine bytes, content id), checks it against the
 /// checkpoint's config and writes it: the last step of every install, after which the store opens.
-pub(crate) fn seal(manifest: &mut Manifest, ckpt: &Checkpoint, out: &Path) -> Result<()> {
+pub(crate) fn seal(manifest: &mut Manifest, cfg: &deltafin_core::K3Config, out: &Path) -> Result<()> {
     manifest.spine_bytes = Manifest::spine_placement(&manifest.spine).1;
     manifest.content_id = manifest.compute_content_id();
-    manifest.validate(ckpt.config(), out)?;
+    manifest.validate(cfg, out)?;
     manifest.write(out)
 }
 
@@ -369,8 +470,15 @@ pub const PACKS_DIR: &str = "deltafin-experts";
 /// The pack folder of home `h` of `n`: named after the checkpoint and everything that decides
 /// which experts a home holds ([`assign_homes`]), so packs of another checkpoint, or of the same
 /// one spread another way, never share a file, while two stores of the same plan may.
-fn pack_dir_name(record: &SetupRecord, h: usize, n: usize) -> String {
-    format!("{}-c{}-h{}of{n}", &record.source_id[..16], record.copies, h + 1)
+pub(crate) fn pack_dir_name(record: &SetupRecord, h: usize, n: usize) -> String {
+    match record.placement.as_str() {
+        "round-robin" => format!("{}-c{}-h{}of{n}", &record.source_id[..16], record.copies, h + 1),
+        p => {
+            let shares: Vec<String> = record.shares.iter().map(|s| format!("{s:.6}")).collect();
+            let id = xxhash_rust::xxh3::xxh3_64(shares.join(",").as_bytes());
+            format!("{}-{}{:08x}-h{}of{n}", &record.source_id[..16], &p[..1], id as u32, h + 1)
+        }
+    }
 }
 
 /// Checks what the store holds (a finished manifest, or the record of a setup in progress)
@@ -388,7 +496,12 @@ pub(crate) fn previous(out: &Path, record: &SetupRecord, reinstall: bool) -> Res
     // there by hand), either one naming this plan is enough to continue it.
     let same_plan = |p: &SetupRecord| {
         // The same checkpoint moved to another folder is still the same checkpoint.
-        p.source_id == record.source_id && p.layout == record.layout && p.homes == record.homes && p.copies == record.copies
+        p.source_id == record.source_id
+            && p.layout == record.layout
+            && p.homes == record.homes
+            && p.copies == record.copies
+            && p.placement == record.placement
+            && p.shares == record.shares
     };
     let candidates: Vec<SetupRecord> = in_progress.into_iter().chain(manifest.as_ref().map(|m| m.setup.clone())).collect();
     if candidates.iter().any(same_plan) {
@@ -425,10 +538,19 @@ pub(crate) fn previous(out: &Path, record: &SetupRecord, reinstall: bool) -> Res
         if prev.homes != record.homes || prev.copies != record.copies {
             diffs.push(format!("homes {:?} with {} copies, not {:?} with {}", prev.homes, prev.copies, record.homes, record.copies));
         }
+        if prev.placement != record.placement || prev.shares != record.shares {
+            diffs.push(format!("placement {} {:?}, not {} {:?}", prev.placement, prev.shares, record.placement, record.shares));
+        }
+        let moved = prev.source_id == record.source_id && prev.layout == record.layout && manifest.is_some();
+        let rebalance = if moved && record.layout == LAYOUT_PACKS {
+            "; to move its experts onto these homes and this placement without reinstalling, add --rebalance"
+        } else {
+            ""
+        };
         return Err(Error::OtherCheckpoint {
             path: out.to_path_buf(),
             why: format!(
-                "this store {what} {}; to keep it, run `{}`; to replace it with this checkpoint and these arguments, add --reinstall",
+                "this store {what} {}; to keep it, run `{}`{rebalance}; to replace it with this checkpoint and these arguments, add --reinstall",
                 diffs.join("; "),
                 prev.command(out)
             ),

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::{assign_homes, spine::spine_file_bytes, Install, PACKS_DIR};
+use super::{spine::spine_file_bytes, Install, PACKS_DIR};
 use crate::error::{Error, Result};
 use crate::manifest::align_up;
 
@@ -32,16 +32,16 @@ pub(super) fn check(plan: &Install) -> Result<()> {
     let cfg = plan.ckpt.config();
     let mut files: Vec<(PathBuf, u64)> = vec![(plan.out.join("spine.bin"), spine_file_bytes(plan.ckpt))];
     let n = plan.homes.len();
-    let per = align_up(cfg.expert_shape().total_bytes() as u64);
+    let len = cfg.expert_shape().total_bytes() as u64;
     for l in cfg.moe_layers() {
-        let mut counts = vec![0u64; n];
+        let mut bytes = vec![0u64; n];
         for e in 0..cfg.num_experts {
-            for h in assign_homes(l, e, n, plan.record.copies) {
-                counts[h] += 1;
+            for s in plan.layout.slots(l, e, len) {
+                bytes[s.home] += align_up(s.len);
             }
         }
-        for (h, c) in counts.into_iter().enumerate() {
-            files.push((plan.homes[h].join(PACKS_DIR).join(&plan.pack_dirs[h]).join(format!("L{l:03}.pack")), c * per));
+        for (h, b) in bytes.into_iter().enumerate() {
+            files.push((plan.homes[h].join(PACKS_DIR).join(&plan.pack_dirs[h]).join(format!("L{l:03}.pack")), b));
         }
     }
     // Needed bytes per filesystem, named by the first folder seen on it.

@@ -118,7 +118,16 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
     // Each store its own folder in a home, so two stores never evict each other's experts.
     let store_key = format!("{}-{:016x}", r.repo.replace('/', "--"), xxhash_rust::xxh3::xxh3_64(out_abs.as_os_str().as_encoded_bytes()));
     let cache_dirs: Vec<PathBuf> = homes.iter().map(|h| h.join(CACHE_DIR).join(&store_key)).collect();
-    let record = SetupRecord { source, source_id: format!("{:032x}", id.digest128()), layout: LAYOUT_STREAM.into(), homes, copies: 1 };
+    let record = SetupRecord {
+        source,
+        source_id: format!("{:032x}", id.digest128()),
+        layout: LAYOUT_STREAM.into(),
+        homes,
+        copies: 1,
+        placement: "round-robin".into(),
+        shares: Vec::new(),
+        drives: Vec::new(),
+    };
     let earlier_spine: HashMap<String, String> =
         previous(out, &record, opts.reinstall)?.iter().flat_map(|m| m.spine.iter().map(|(n, t)| (n.clone(), t.xxh3.clone()))).collect();
     write_sealed(&out.join(SETUP_RECORD), &record)?;
@@ -212,6 +221,7 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
         earlier_experts: HashMap::new(),
         src: LocalFiles::new(),
         spine_dir: dir.clone(),
+        layout: super::Layout::new(super::Placement::RoundRobin, 1, vec![1.0], &ckpt.config().moe_layers(), ckpt.config().num_experts),
     };
     let files_sums = copy_small_files(&plan)?;
     let (spine_files, spine) = super::spine::in_place_spine(&plan, progress)?;
@@ -227,10 +237,10 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
                 // A verified whole shard: its experts' checksums are known now.
                 buf.resize(s.len as usize, 0);
                 plan.src.read_span(&s.file, s.offset, &mut buf)?;
-                let copy = Copy { home: WHOLE_SHARD_HOME, file, offset: s.offset };
+                let copy = Copy::whole(WHOLE_SHARD_HOME, file, s.offset);
                 ExpertEntry { layer: l, expert: e, len: s.len, xxh3: checksum(&buf), copies: vec![copy] }
             } else {
-                ExpertEntry { layer: l, expert: e, len: s.len, xxh3: String::new(), copies: vec![Copy { home: 0, file, offset: s.offset }] }
+                ExpertEntry { layer: l, expert: e, len: s.len, xxh3: String::new(), copies: vec![Copy::whole(0, file, s.offset)] }
             };
             experts.push(entry);
         }
@@ -249,7 +259,7 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
         layouts,
         experts,
     };
-    super::seal(&mut manifest, &ckpt, out)?;
+    super::seal(&mut manifest, ckpt.config(), out)?;
     if opts.fill {
         crate::hub_cache::HubCache::open(&out_abs, &manifest, &hub_record)?.fill(progress)?;
     }

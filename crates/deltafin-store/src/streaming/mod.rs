@@ -318,7 +318,8 @@ impl Inner {
         let mut best: Option<(f64, usize)> = None;
         let mut fallback = None;
         for (i, c) in e.copies.iter().enumerate() {
-            if tried.contains(&i) {
+            // A stripe is never read as if it were the expert.
+            if tried.contains(&i) || c.stripe.is_some() {
                 continue;
             }
             let h = &st.homes[c.home];

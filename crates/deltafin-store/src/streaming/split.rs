@@ -131,11 +131,37 @@ fn plan_shares(len: u64, drives: &[(usize, f64, u64)], piece_min: u64) -> Vec<(u
     sizes
 }
 
+/// Cuts one drive's share `[start, start + len)` of an expert into page-aligned parts, one per
+/// reader thread (`lanes`) as long as each is at least `piece_min`.
+fn cut_share(parts: &mut Vec<Part>, copy: usize, mut start: u64, len: u64, piece_min: u64, lanes: u64) {
+    let pieces = (len / piece_min).clamp(1, lanes);
+    let step = (len / pieces).div_ceil(BUF_ALIGN as u64) * BUF_ALIGN as u64;
+    let end = start + len;
+    while start < end {
+        let n = step.min(end - start);
+        parts.push(Part { copy, start, len: n, run: Run::Queued });
+        start += n;
+    }
+}
+
 impl Inner {
     /// Plans and queues a split read of `key` for `waiter` (none for a prefetch); `false` if it
     /// should be read whole.
     pub(super) fn start_split(&self, st: &mut State, key: Key, waiter: Option<Sender<Delivery>>, priority: Priority) -> bool {
         let e = self.entry(key);
+        if e.is_striped() {
+            // Each stripe is on one drive only: always read in parts, each stripe from its drive,
+            // cut again over its reader threads.
+            let lanes = self.opts.queue_depth.max(1) as u64;
+            let piece_min = (self.opts.split_min.min(DEFAULT_SPLIT_MIN) / 4).max(BUF_ALIGN as u64);
+            let mut parts = Vec::new();
+            for (copy, c) in e.copies.iter().enumerate() {
+                let (start, len) = c.range(e.len);
+                cut_share(&mut parts, copy, start, len, piece_min, lanes);
+            }
+            self.queue_parts(st, key, waiter, priority, parts);
+            return true;
+        }
         let now = Instant::now();
         let usable: Vec<usize> =
             (0..e.copies.len()).filter(|&i| st.homes[e.copies[i].home].quarantined_until.is_none_or(|t| t <= now)).collect();
@@ -164,18 +190,19 @@ impl Inner {
         let mut parts = Vec::new();
         let mut start = 0;
         for (copy, len) in sizes {
-            let pieces = (len / piece_min).clamp(1, lanes as u64);
-            let step = (len / pieces).div_ceil(BUF_ALIGN as u64) * BUF_ALIGN as u64;
-            let end = start + len;
-            while start < end {
-                let n = step.min(end - start);
-                parts.push(Part { copy, start, len: n, run: Run::Queued });
-                start += n;
-            }
+            cut_share(&mut parts, copy, start, len, piece_min, lanes as u64);
+            start += len;
         }
         if parts.len() < 2 {
             return false;
         }
+        self.queue_parts(st, key, waiter, priority, parts);
+        true
+    }
+
+    /// Queues `parts` of `key` on their drives as one split read.
+    fn queue_parts(&self, st: &mut State, key: Key, waiter: Option<Sender<Delivery>>, priority: Priority, parts: Vec<Part>) {
+        let e = self.entry(key);
         let id = NEXT_SPLIT.fetch_add(1, Ordering::Relaxed);
         for (n, p) in parts.iter().enumerate() {
             let home = e.copies[p.copy].home;
@@ -189,7 +216,6 @@ impl Inner {
         let split = Split { id, parts, buf: None, allocating: false };
         st.inflight
             .insert(key, Inflight { waiters: waiter.into_iter().collect(), priority, tried: vec![], started: true, split: Some(split) });
-        true
     }
 
     /// Gets (or allocates, once) the buffer all parts of split read `id` write into; `None` when
@@ -277,7 +303,9 @@ impl Inner {
         // cover disjoint ranges (start is page-aligned and parts do not overlap); nobody reads the
         // buffer before every part is done.
         let dst = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr_for_parts().add(start as usize), room) };
-        let result = self.io.read(home, &path, c.offset + start, len, dst).map_err(|err| format!("{}: {err}", path.display()));
+        // A stripe holds the expert's bytes from its own start.
+        let at = c.offset + start - c.range(e.len).0;
+        let result = self.io.read(home, &path, at, len, dst).map_err(|err| format!("{}: {err}", path.display()));
         let secs = t0.elapsed().as_secs_f64();
         drop(slot);
         let mut st = self.state.lock().expect("poisoned");
@@ -309,6 +337,30 @@ impl Inner {
                         st.stats.prefetch_wasted_bytes += e.len;
                     } else if good {
                         Self::deliver(&mut st, key, bytes);
+                    } else if e.is_striped() {
+                        // Each stripe has its own checksum: name the one that is wrong.
+                        let bad = e
+                            .copies
+                            .iter()
+                            .find(|c| {
+                                let (a, n) = c.range(e.len);
+                                let sum = c.stripe.as_ref().map(|s| s.xxh3.as_str()).unwrap_or_default();
+                                crate::manifest::checksum(&bytes.as_slice()[a as usize..(a + n) as usize]) != sum
+                            })
+                            .unwrap_or(&e.copies[0]);
+                        let inf = st.inflight.remove(&key).expect("present");
+                        for w in &inf.waiters {
+                            let _ = w.send((
+                                key.1,
+                                Err(crate::Error::Corrupt {
+                                    layer: key.0,
+                                    expert: key.1 as usize,
+                                    path: self.manifest.copy_path(bad),
+                                    offset: bad.offset,
+                                    advice: self.advice.clone(),
+                                }),
+                            ));
+                        }
                     } else {
                         // Which copy is bad is unknown: read whole, copy by copy.
                         eprintln!("deltafin: split read of expert {}/{} failed its checksum; re-reading whole copies", key.0, key.1);
@@ -332,11 +384,12 @@ impl Inner {
                 h.backoff = (h.backoff * 2).min(Duration::from_secs(30));
                 eprintln!("deltafin: part of expert {}/{} failed ({msg}); reading it from another drive", key.0, key.1);
                 let now = Instant::now();
+                // Another copy holding these bytes: a whole copy, never another stripe.
                 let next = e
                     .copies
                     .iter()
                     .enumerate()
-                    .filter(|(i, c)| *i != copy && st.homes[c.home].quarantined_until.is_none_or(|t| t <= now))
+                    .filter(|(i, c)| *i != copy && c.stripe.is_none() && st.homes[c.home].quarantined_until.is_none_or(|t| t <= now))
                     .min_by_key(|(_, c)| st.homes[c.home].queued_bytes)
                     .map(|(i, _)| i);
                 let inf = st.inflight.get_mut(&key).expect("present");
@@ -352,9 +405,19 @@ impl Inner {
                     }
                     None => {
                         let inf = st.inflight.remove(&key).expect("present");
+                        let last = match &e.copies[copy].stripe {
+                            Some(s) => format!(
+                                "{msg}; the drive at {} holds bytes {}..{} of this expert and no other drive has them (a striped store keeps \
+                                 one copy of every byte): bring the drive back, or re-run setup onto working drives",
+                                self.manifest.homes[home].display(),
+                                s.start,
+                                s.start + s.len
+                            ),
+                            None => msg.clone(),
+                        };
                         for w in &inf.waiters {
-                            let _ =
-                                w.send((key.1, Err(crate::Error::Unavailable { layer: key.0, expert: key.1 as usize, last: msg.clone() })));
+                            let _ = w
+                                .send((key.1, Err(crate::Error::Unavailable { layer: key.0, expert: key.1 as usize, last: last.clone() })));
                         }
                     }
                 }
