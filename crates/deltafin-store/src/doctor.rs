@@ -225,6 +225,13 @@ fn check_records(dir: &Path, m: &Manifest, r: &mut DoctorReport) {
     if m.layout == crate::manifest::LAYOUT_PACKS {
         sidecars.push(dir.join("spine.bin.json"));
         let mut packs: Vec<std::path::PathBuf> = m.experts.iter().flat_map(|e| e.copies.iter().map(|c| m.copy_path(c))).collect();
+        // Every home has a pack per layer, even one its share left empty (small experts striped
+        // over several drives): its sidecar is the store's too.
+        let n = m.homes.len();
+        for (h, home) in m.homes.iter().enumerate() {
+            let dir = home.join(crate::setup::PACKS_DIR).join(crate::setup::pack_dir_name(&m.setup, h, n));
+            packs.extend(m.layouts.iter().map(|(l, _)| dir.join(format!("L{l:03}.pack"))));
+        }
         packs.sort();
         packs.dedup();
         sidecars.extend(packs.into_iter().map(|p| std::path::PathBuf::from(format!("{}.json", p.display()))));

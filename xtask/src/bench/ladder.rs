@@ -1,8 +1,10 @@
 //! The drive ladder: 1 to 4 emulated drives, equal and unequal, each a loop device (direct I/O,
 //! 4 KiB sectors) with an ext4 file system and a kernel-enforced read cap (cgroup v1 blkio
 //! throttle), well below the real disk's floor so the emulation is honest
-//! (`shared/BENCH-MACHINE.md`). Every drive holds a copy of every expert, so the reader can send
-//! each read to the drive expected to finish it first. Needs root; everything is torn down after.
+//! (`shared/BENCH-MACHINE.md`). The mirror rows hold a copy of every expert on every drive, so the
+//! reader can send each read to the drive expected to finish it first; the one-copy rows (reader
+//! caps only) hold each byte once, striped, weighted or round-robin. Needs root for the kernel's
+//! caps; everything is torn down after.
 //!
 //! Where the kernel lacks them (no root, no loop devices, no cgroup v1 blkio), or when asked
 //! (`--limiter reader`), the drives are plain folders on the one disk and the engine's own reader
@@ -36,6 +38,8 @@ pub enum Limiter {
 /// One rung.
 #[derive(Clone, Debug)]
 pub struct Rung {
+    /// `mirror (...)`, or a one-copy placement.
+    pub layout: String,
     pub profile: String,
     pub drives: usize,
     /// Read caps of the drives used, bytes/s.
@@ -136,8 +140,24 @@ fn variant(store: &Path, n: usize, out: &Path) -> Result<()> {
     Ok(())
 }
 
+/// One configuration of the ladder: a layout over some drives at some caps.
+struct Config {
+    layout: String,
+    profile: String,
+    rates: Vec<f64>,
+    store: PathBuf,
+    runs: Vec<(f64, f64, f64, Vec<u64>)>,
+}
+
+/// The layouts at one copy of every byte (1x capacity) the ladder measures beside the full
+/// mirror, and whether the store depends on the drives' rates (striped and weighted do).
+const ONE_COPY: [(&str, bool); 3] = [("striped", true), ("weighted", true), ("round-robin", false)];
+
 /// Runs the ladder on the `slice-mini` checkpoint at `ckpt` with the `deltafin` binary `bin`;
-/// returns the rungs and the limiter that enforced the caps.
+/// returns the rungs and the limiter that enforced the caps. Every expert on every drive (the
+/// mirror) at 1 to 4 drives; with the reader's caps also each one-copy placement at 2 to 4
+/// drives (each set up over the drives with their rates stated). Configurations are interleaved:
+/// each repeat runs every one in turn.
 pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str, limiter: Limiter) -> Result<(Vec<Rung>, Limiter)> {
     let limiter = match (limiter, available()) {
         (Limiter::Cgroup, Err(e)) => bail!("drive ladder with kernel caps unavailable: {e} (try --limiter reader)"),
@@ -180,63 +200,112 @@ pub fn run(bin: &Path, ckpt: &Path, work: &Path, quick: bool, budget: &str, limi
         [("equal", [100e6, 100e6, 100e6, 100e6]), ("unequal 13.6:7.1:7.1:5.7", [136e6, 71e6, 71e6, 57e6])];
     let (new, repeats) = if quick { (3, 2) } else { (8, 3) };
     let ids = crate::bench::engine_runs::prompt(4, 8192).iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
-    let mut out = Vec::new();
+    let mut configs = Vec::new();
     for (profile, rates) in profiles {
         for n in 1..=4 {
             let v = work.join(format!("variant{n}"));
-            variant(&store, n, &v)?;
-            let stats = work.join(format!("stats-{n}.json"));
+            if !v.exists() {
+                variant(&store, n, &v)?;
+            }
+            let layout = "mirror (every expert on every drive)".to_string();
+            configs.push(Config { layout, profile: profile.into(), rates: rates[..n].to_vec(), store: v, runs: vec![] });
+        }
+        if limiter != Limiter::Reader {
+            // The loop devices hold one mirror copy each: no room for the one-copy stores.
+            continue;
+        }
+        for (placement, by_rate) in ONE_COPY {
+            for n in 2..=4 {
+                let key = if by_rate {
+                    format!("{placement}-{}-{n}", profile.split(' ').next().unwrap_or(profile))
+                } else {
+                    format!("{placement}-{n}")
+                };
+                let out = work.join(format!("store-{key}"));
+                if !out.exists() {
+                    let mut c = Command::new(bin);
+                    c.args(["setup", "--full", "--placement", placement, "--from"]).arg(ckpt).arg("--out").arg(&out);
+                    for (m, r) in drives.mounts.iter().zip(&rates[..n]) {
+                        // Stated rates (the caps are the reader's, so a probe would see the one disk).
+                        c.arg("--home").arg(format!("{}::{}/s", m.display(), *r as u64));
+                    }
+                    eprintln!("ladder: setting up {key}");
+                    sh(&mut c)?;
+                }
+                configs.push(Config {
+                    layout: placement.into(),
+                    profile: profile.into(),
+                    rates: rates[..n].to_vec(),
+                    store: out,
+                    runs: vec![],
+                });
+            }
+        }
+    }
+    for round in 0..repeats {
+        for c in &mut configs {
+            let n = c.rates.len();
+            let stats = work.join("stats.json");
             let run = format!(
                 "{} run --model {} --ram-budget {budget} --queue-depth 4 --ids {ids} --max-new {new} --print-ids --stats-json {}",
                 bin.display(),
-                v.display(),
+                c.store.display(),
                 stats.display()
             );
             let script = if limiter == Limiter::Reader {
-                let caps: Vec<String> = rates[..n].iter().map(|r| format!("{}", *r as u64)).collect();
+                let caps: Vec<String> = c.rates.iter().map(|r| format!("{}", *r as u64)).collect();
                 format!("exec timeout {RUN_LIMIT_S} {run} --read-caps {}", caps.join(","))
             } else {
                 let _ = std::fs::remove_dir(CGROUP);
                 std::fs::create_dir_all(CGROUP)?;
                 for (i, dev) in devs.iter().enumerate() {
                     // Drives beyond n are capped too (unused); caps apply to every thread of the run.
-                    std::fs::write(format!("{CGROUP}/blkio.throttle.read_bps_device"), format!("{dev} {}", rates[i] as u64))?;
+                    let rate = c.rates.get(i).or(c.rates.last()).copied().unwrap_or(100e6);
+                    std::fs::write(format!("{CGROUP}/blkio.throttle.read_bps_device"), format!("{dev} {}", rate as u64))?;
                 }
                 format!("echo $$ > {CGROUP}/cgroup.procs; exec timeout {RUN_LIMIT_S} {run}")
             };
-            let sum: f64 = rates[..n].iter().sum();
-            let (mut tok, mut ideals, mut effs, mut bpts) = (vec![], vec![], vec![], vec![]);
-            let mut per_drive_bytes = vec![];
-            for _ in 0..repeats {
-                sh(Command::new("sh").args(["-c", &script]))?;
-                let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats)?)?;
-                let tok_s = s["decode_tok_s"].as_f64().unwrap_or(0.0);
-                let bpt = s["bytes_per_token"].as_f64().unwrap_or(0.0);
-                let ideal = sum / bpt.max(1.0);
-                per_drive_bytes =
-                    s["per_drive"].as_array().map(|a| a.iter().map(|d| d["bytes"].as_u64().unwrap_or(0)).collect()).unwrap_or_default();
-                eprintln!("ladder {profile} {n} drive(s): {tok_s:.3} tok/s, ideal {ideal:.3}, efficiency {:.0}%", 100.0 * tok_s / ideal);
-                tok.push(tok_s);
-                ideals.push(ideal);
-                effs.push(tok_s / ideal);
-                bpts.push(bpt);
-            }
-            let median = |v: &[f64]| crate::bench::engine_runs::spread(v).1;
-            out.push(Rung {
-                profile: profile.into(),
-                drives: n,
-                rates: rates[..n].to_vec(),
+            sh(Command::new("sh").args(["-c", &script]))?;
+            let _ = std::fs::remove_dir(CGROUP);
+            let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats)?)?;
+            let tok_s = s["decode_tok_s"].as_f64().unwrap_or(0.0);
+            let bpt = s["bytes_per_token"].as_f64().unwrap_or(0.0);
+            let ideal = c.rates.iter().sum::<f64>() / bpt.max(1.0);
+            let per_drive =
+                s["per_drive"].as_array().map(|a| a.iter().map(|d| d["bytes"].as_u64().unwrap_or(0)).collect()).unwrap_or_default();
+            eprintln!(
+                "ladder round {}: {} {} {n} drive(s): {tok_s:.3} tok/s, ideal {ideal:.3}, efficiency {:.0}%",
+                round + 1,
+                c.layout,
+                c.profile,
+                100.0 * tok_s / ideal
+            );
+            c.runs.push((tok_s, ideal, bpt, per_drive));
+        }
+    }
+    let median = |v: &[f64]| crate::bench::engine_runs::spread(v).1;
+    let out = configs
+        .into_iter()
+        .map(|c| {
+            let tok: Vec<f64> = c.runs.iter().map(|r| r.0).collect();
+            let ideals: Vec<f64> = c.runs.iter().map(|r| r.1).collect();
+            let effs: Vec<f64> = c.runs.iter().map(|r| r.0 / r.1).collect();
+            let bpts: Vec<f64> = c.runs.iter().map(|r| r.2).collect();
+            Rung {
+                layout: c.layout,
+                profile: c.profile,
+                drives: c.rates.len(),
+                rates: c.rates,
                 tok_s: median(&tok),
                 ideal: median(&ideals),
                 efficiency: median(&effs),
                 efficiencies: effs,
                 tok_s_runs: tok,
                 bytes_per_token: median(&bpts),
-                per_drive_bytes,
-            });
-            let _ = std::fs::remove_dir(CGROUP);
-        }
-    }
+                per_drive_bytes: c.runs.last().map(|r| r.3.clone()).unwrap_or_default(),
+            }
+        })
+        .collect();
     drop(drives);
     let _ = std::fs::remove_dir_all(work);
     Ok((out, limiter))

@@ -316,11 +316,12 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
                     ),
                     _ => ("Drive ladder", "every drive a loop device capped by the cgroup v1 blkio throttle (a byte budget per 100 ms slice, which forgives idle shorter than a slice by bursting after it; `--limiter reader` gives the stricter reading, where idle time is lost as on a real drive)", "ladder"),
                 };
-                let mut md = format!("## {title}\n\n`cargo xtask bench ladder{q}{flag}` — `slice-mini` (real expert size), {how}, every expert on every drive, RAM budget 700 MB. Ideal = sum of the drives' caps / measured expert bytes per token. Each rung is run {} times: tok/s and ideal are medians, efficiency is min / median / max of the runs' measured / ideal; bytes per drive are from the last run.\n\n| profile | drives | caps MB/s | tok/s | ideal tok/s | efficiency min / median / max | MB/token | MB read per drive |\n|---|---|---|---|---|---|---|---|\n", rungs.first().map_or(0, |r| r.efficiencies.len()));
+                let mut md = format!("## {title}\n\n`cargo xtask bench ladder{q}{flag}` — `slice-mini` (real expert size), {how}, RAM budget 700 MB. *Mirror*: every expert on every drive (the reader sends each part of a read to the drive expected to finish it first). *Striped*, *weighted*, *round-robin*: one copy of every byte over the drives (1x capacity), set up with `deltafin setup --placement P --home DRIVE::RATE/s` with the caps stated as rates (striped: each expert split over every drive by rate; weighted: whole experts, each drive its share; round-robin: whole experts in turn). Ideal = sum of the drives' caps / measured expert bytes per token. Configurations interleaved: each of {} rounds runs every row once; tok/s and ideal are medians, efficiency is min / median / max of the rounds' measured / ideal; bytes per drive are from the last round.\n\n| layout | profile | drives | caps MB/s | tok/s | ideal tok/s | efficiency min / median / max | MB/token | MB read per drive |\n|---|---|---|---|---|---|---|---|---|\n", rungs.first().map_or(0, |r| r.efficiencies.len()));
                 for r in &rungs {
                     writeln!(
                         md,
-                        "| {} | {} | {} | {:.3} | {:.3} | {} | {:.0} | {} |",
+                        "| {} | {} | {} | {} | {:.3} | {:.3} | {} | {:.0} | {} |",
+                        r.layout,
                         r.profile,
                         r.drives,
                         r.rates.iter().map(|x| format!("{:.0}", mb(*x))).collect::<Vec<_>>().join(" / "),
@@ -334,20 +335,26 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
                         r.per_drive_bytes.iter().map(|x| format!("{:.0}", mb(*x as f64))).collect::<Vec<_>>().join(" / ")
                     )?;
                 }
-                let labels: Vec<String> = (1..=4).map(|n| format!("{n} drive(s)")).collect();
-                let eff = |p: &str| rungs.iter().filter(|r| r.profile.starts_with(p)).map(|r| 100.0 * r.efficiency).collect::<Vec<_>>();
+                let labels: Vec<String> = (2..=4).map(|n| format!("{n} drives, unequal")).collect();
+                let eff = |layout: &str| {
+                    rungs
+                        .iter()
+                        .filter(|r| r.layout.starts_with(layout) && r.profile.starts_with("unequal") && r.drives >= 2)
+                        .map(|r| 100.0 * r.efficiency)
+                        .collect::<Vec<_>>()
+                };
+                let series: Vec<(&str, Vec<f64>)> = ["mirror", "striped", "weighted", "round-robin"]
+                    .into_iter()
+                    .map(|l| (l, eff(l)))
+                    .filter(|(_, v)| !v.is_empty())
+                    .collect();
                 std::fs::write(
                     bench_dir.join(format!("{file}.svg")),
-                    svg::bars(
-                        "Drive ladder: efficiency vs ideal",
-                        "% of ideal",
-                        &labels,
-                        &[("equal", eff("equal")), ("unequal", eff("unequal"))],
-                    ),
+                    svg::bars("Drive ladder: efficiency vs ideal by layout (13.6 : 7.1 : 7.1 : 5.7)", "% of ideal", &labels, &series),
                 )?;
                 md += &format!("\n![ladder](bench/{file}.svg)\n");
                 std::fs::write(bench_dir.join(format!("{file}.md")), md)?;
-                json.insert("ladder".into(), json!(rungs.iter().map(|r| json!({"limiter": format!("{used:?}").to_lowercase(), "profile": r.profile, "drives": r.drives, "tok_s": r.tok_s, "ideal": r.ideal, "efficiency": r.efficiency, "efficiency_runs": r.efficiencies, "tok_s_runs": r.tok_s_runs, "bytes_per_token": r.bytes_per_token})).collect::<Vec<_>>()));
+                json.insert("ladder".into(), json!(rungs.iter().map(|r| json!({"limiter": format!("{used:?}").to_lowercase(), "layout": r.layout, "profile": r.profile, "drives": r.drives, "tok_s": r.tok_s, "ideal": r.ideal, "efficiency": r.efficiency, "efficiency_runs": r.efficiencies, "tok_s_runs": r.tok_s_runs, "bytes_per_token": r.bytes_per_token})).collect::<Vec<_>>()));
             }
             Err(e) => {
                 eprintln!("ladder skipped: {e:#}");
@@ -359,7 +366,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         }
     }
     // Assemble the report from whatever sections exist.
-    let mut report = String::from("# Benchmarks\n\nEvery number below was produced by the command shown beside it (`cargo xtask bench ...`) on the development machine (2 Zen 5 cores, one noisy virtio disk; see `shared/BENCH-MACHINE.md`). Compare ratios within one section: the disk changes speed from minute to minute.\n\n");
+    let mut report = String::from("# Benchmarks\n\nEvery number below was produced by the command shown beside it (`cargo xtask bench ...`) on the development machine (2 cores, one noisy virtio disk; see `shared/BENCH-MACHINE.md`). Compare ratios within one section: the disk changes speed from minute to minute.\n\n");
     for s in [
         "device",
         "decode",
