@@ -29,7 +29,11 @@ pub struct ServeArgs {
     /// Largest accepted request body.
     #[arg(long, default_value = "4M", value_parser = crate::store_cmds::parse_size)]
     pub max_body: u64,
-    /// max_tokens when a request gives none.
+    /// Seconds a client may take to send its request body; a stalled upload gets 408 and its
+    /// connection back.
+    #[arg(long, default_value_t = 30)]
+    pub body_timeout: u64,
+    /// max_tokens when a request gives none (clamped to what the context has left).
     #[arg(long, default_value_t = 512)]
     pub default_max_tokens: usize,
     /// Seconds between SSE keep-alive comments while a streamed request waits or its prompt is
@@ -49,6 +53,24 @@ pub struct ServeArgs {
 }
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
+    // One line per request and a startup summary on stderr (RUST_LOG=debug for more).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
+    if !a.model.model.exists() && !a.model.model.to_string_lossy().starts_with("hf://") {
+        anyhow::bail!(
+            "{}: no such model folder or store (a checkpoint folder with config.json, or a store made by `deltafin setup`)",
+            a.model.model.display()
+        );
+    }
+    let exposed = !matches!(a.host.as_str(), "127.0.0.1" | "localhost" | "::1");
+    if exposed && a.api_key.is_none() {
+        tracing::warn!(host = %a.host, "listening beyond loopback without --api-key: anyone who can reach this port can use the model");
+    }
     let name = a.model.model.file_name().map_or("deltafin".to_string(), |n| n.to_string_lossy().into_owned());
     let cfg = deltafin_server::ServerConfig {
         host: a.host.clone(),
@@ -56,6 +78,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         api_key: a.api_key.clone(),
         max_queue: a.max_queue,
         max_body_bytes: a.max_body as usize,
+        body_timeout_s: a.body_timeout,
         default_max_tokens: a.default_max_tokens,
         model_name: name,
         keep_alive_s: a.keep_alive,
@@ -65,7 +88,20 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
     };
     let margs = a.model.clone();
     let (slots, kept) = (a.max_batch.max(1), a.keep_states);
-    deltafin_server::serve_blocking(cfg, move || margs.open_with(slots, kept).map_err(|e| format!("{e:#}")))?;
+    let (budget, context) = (a.model.ram_budget, a.max_batch);
+    deltafin_server::serve_blocking(cfg, move || {
+        let model = margs.open_with(slots, kept).map_err(|e| format!("{e:#}"))?;
+        let stats = model.engine().experts().stats();
+        tracing::info!(
+            model = %margs.model.display(),
+            ram_budget = ?budget,
+            context = model.new_sequence().context_limit(),
+            max_batch = context,
+            drives = stats.per_home.len(),
+            "model loaded"
+        );
+        Ok(model)
+    })?;
     Ok(())
 }
 

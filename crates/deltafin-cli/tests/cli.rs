@@ -325,3 +325,18 @@ fn plan_projects_what_stays_resident_and_the_speed() {
     let out = plan("1G", &[]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--drive"));
 }
+
+#[test]
+fn errors_say_what_a_model_folder_is_and_suggest_a_budget_that_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = bin().args(["run", "--prompt", "hi", "--model"]).arg(tmp.path()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a model folder") && err.contains("config.json") && err.contains("deltafin setup"), "{err}");
+    assert_eq!(err.matches("os error").count(), 0, "{err}");
+    let out = bin().args(["run", "--prompt", "hi", "--ram-budget", "1M", "--model"]).arg(fixture()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let suggested = err.rsplit("try --ram-budget ").next().unwrap().trim().to_string();
+    assert!(err.contains(" MB") && suggested.ends_with('M'), "{err}");
+    // The suggestion, followed, runs.
+    ok(bin().args(["run", "--prompt", "hi", "--max-new", "2", "--ram-budget", &suggested, "--model"]).arg(fixture()));
+}

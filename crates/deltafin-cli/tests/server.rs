@@ -3,116 +3,17 @@
 //! client disconnects, follow-up reuse identical to a cold run, and the official `openai`
 //! Python client (when installed; CI installs it).
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-struct Server {
-    child: Child,
-    port: u16,
-}
+mod common;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
-}
-
-fn start(extra: &[&str]) -> Server {
-    start_env(extra, &[])
-}
-
-fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let child = Command::new(env!("CARGO_BIN_EXE_deltafin"))
-        .args(["serve", "--model"])
-        .arg(fixture())
-        .args(["--port", &port.to_string()])
-        .args(if extra.contains(&"--context") { &[][..] } else { &["--context", "512"][..] })
-        .args(extra)
-        .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let s = Server { child, port };
-    let t0 = Instant::now();
-    loop {
-        if let Ok((200, _, _)) = s.request("GET", "/health", None, &[]) {
-            return s;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(30), "server did not become healthy");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-impl Server {
-    /// A minimal HTTP/1.1 exchange: (status, headers, body).
-    fn request(&self, method: &str, path: &str, body: Option<&[u8]>, headers: &[(&str, &str)]) -> std::io::Result<(u16, String, String)> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
-        s.set_read_timeout(Some(Duration::from_secs(60)))?;
-        let body = body.unwrap_or(b"");
-        let mut req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        );
-        for (k, v) in headers {
-            req += &format!("{k}: {v}\r\n");
-        }
-        req += "\r\n";
-        s.write_all(req.as_bytes())?;
-        s.write_all(body)?;
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw)?;
-        let text = String::from_utf8_lossy(&raw).into_owned();
-        let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_string() };
-        Ok((status, head.to_string(), body))
-    }
-
-    fn post(&self, path: &str, body: &Value) -> (u16, String, String) {
-        self.request("POST", path, Some(body.to_string().as_bytes()), &[]).unwrap()
-    }
-
-    fn json(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (st, _, b) = self.post(path, body);
-        (st, serde_json::from_str(&b).unwrap_or_else(|e| panic!("{e}: {b}")))
-    }
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((len, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(len.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
-    out
-}
-
-fn sse_data(body: &str) -> Vec<String> {
-    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
-}
-
-fn chat_body(text: &str, max: usize) -> Value {
-    json!({"model": "k3", "messages": [{"role": "user", "content": text}], "max_tokens": max})
-}
+use common::server::*;
 
 #[test]
 fn chat_and_completion_shapes_and_determinism() {

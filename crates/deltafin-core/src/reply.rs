@@ -13,7 +13,6 @@ pub enum Part {
 
 /// Splits a generation into reasoning and content, and applies stop strings.
 pub struct ReplySplitter {
-    chat: bool,
     ctl: Option<(u32, u32, u32)>,
     section: Part,
     tag: Option<(bool, Vec<u32>)>,
@@ -33,7 +32,6 @@ impl ReplySplitter {
             _ => None,
         };
         ReplySplitter {
-            chat,
             ctl,
             section: if chat { Part::Reasoning } else { Part::Content },
             tag: None,
@@ -71,7 +69,8 @@ impl ReplySplitter {
                 return vec![];
             }
         }
-        if self.chat && tok.is_special(id) {
+        // Special (reserved and control) tokens are never text, in chat or completions.
+        if tok.is_special(id) {
             return vec![];
         }
         let bytes = tok.id_bytes(id);

@@ -223,8 +223,12 @@ pub struct StreamDecoder<'a> {
 }
 
 impl StreamDecoder<'_> {
-    /// Adds one id; returns the text that became complete.
+    /// Adds one id; returns the text that became complete. Special (reserved and control)
+    /// tokens are not text: they add nothing.
     pub fn push(&mut self, id: u32) -> String {
+        if self.tok.is_special(id) {
+            return String::new();
+        }
         self.pending.extend(self.tok.id_bytes(id));
         match std::str::from_utf8(&self.pending) {
             Ok(s) => {

@@ -47,6 +47,9 @@ pub enum ServerError {
     Bind { addr: String, source: std::io::Error },
     #[error("server stopped: {0}")]
     Serve(std::io::Error),
+    /// The model could not be loaded: the server exits instead of answering 503 forever.
+    #[error("{0}")]
+    Load(String),
 }
 
 /// How to serve.
@@ -57,6 +60,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     pub max_queue: usize,
     pub max_body_bytes: usize,
+    /// Seconds a client may take to send its request body (a stalled upload is answered 408).
+    pub body_timeout_s: u64,
     pub default_max_tokens: usize,
     /// The id `/v1/models` lists.
     pub model_name: String,
@@ -83,6 +88,8 @@ struct AppState {
     load_error: OnceLock<String>,
     metrics: Arc<Metrics>,
     counter: AtomicU64,
+    /// Distinguishes this process's response ids from those of earlier runs.
+    nonce: u64,
 }
 
 type Shared = Arc<AppState>;
@@ -90,31 +97,80 @@ type Shared = Arc<AppState>;
 impl AppState {
     /// A server's state before its model is ready.
     fn new(cfg: ServerConfig) -> Shared {
-        Arc::new(AppState { cfg, ready: OnceLock::new(), load_error: OnceLock::new(), metrics: Arc::default(), counter: AtomicU64::new(0) })
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let nonce = xxhash_rust::xxh3::xxh3_64(&[now.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat());
+        Arc::new(AppState {
+            cfg,
+            ready: OnceLock::new(),
+            load_error: OnceLock::new(),
+            metrics: Arc::default(),
+            counter: AtomicU64::new(0),
+            nonce,
+        })
     }
 }
 
-/// Serves until the process ends. `load` runs on a blocking thread; until it returns, `/health`
-/// answers 503 and API calls answer 503 with a message.
+/// Serves until SIGTERM or Ctrl-C (then stops accepting, lets running responses finish, and
+/// returns), or until loading the model fails (an error, so service managers see it). `load`
+/// runs on a blocking thread; until it returns, `/health` answers 503 and API calls answer 503
+/// with a message.
 pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel, String> + Send + 'static) -> Result<(), ServerError> {
     let addr = format!("{}:{}", cfg.host, cfg.port);
     let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|source| ServerError::Bind { addr: addr.clone(), source })?;
     let state = AppState::new(cfg.clone());
     let s = state.clone();
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
     tokio::task::spawn_blocking(move || match load() {
         Ok(model) => {
             let model = Arc::new(model);
             let queue = worker::start(model.clone(), s.cfg.max_queue, s.cfg.max_batch, s.metrics.clone());
             let _ = s.ready.set(Ready { model, queue });
-            eprintln!("deltafin: model ready");
+            tracing::info!(model = %s.cfg.model_name, "model ready");
         }
         Err(e) => {
-            eprintln!("deltafin: loading the model failed: {e}");
-            let _ = s.load_error.set(e);
+            let _ = s.load_error.set(e.clone());
+            let _ = failed_tx.send(e);
         }
     });
-    eprintln!("deltafin: listening on http://{addr}/v1");
-    axum::serve(listener, router(state)).await.map_err(ServerError::Serve)
+    tracing::info!(%addr, "listening on http://{addr}/v1");
+    let failed = Arc::new(std::sync::Mutex::new(None));
+    let f = failed.clone();
+    let shutdown = async move {
+        tokio::select! {
+            _ = shutdown_signal() => tracing::info!("shutting down: finishing running responses"),
+            Ok(e) = failed_rx => {
+                *f.lock().expect("poisoned") = Some(e);
+            }
+        }
+    };
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await.map_err(ServerError::Serve)?;
+    let failed = failed.lock().expect("poisoned").take();
+    match failed {
+        Some(e) => Err(ServerError::Load(format!("loading the model failed: {e}"))),
+        None => Ok(()),
+    }
+}
+
+/// SIGTERM (service managers) or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
 }
 
 /// [`serve`] on its own runtime, for callers without one (the CLI).
@@ -124,22 +180,57 @@ pub fn serve_blocking(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedMod
 }
 
 fn router(state: Shared) -> Router {
-    let max_body = state.cfg.max_body_bytes;
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_by_id))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .layer(DefaultBodyLimit::max(max_body))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        // Bodies are read by the handlers (`read_body`): a JSON 413 and a read timeout.
+        .layer(DefaultBodyLimit::disable())
         .with_state(state)
+}
+
+async fn not_found(State(s): State<Shared>, uri: axum::http::Uri) -> Response {
+    error(
+        &s,
+        api_error(
+            404,
+            "not_found_error",
+            format!("no such endpoint: {} (see /v1/models, /v1/chat/completions, /v1/completions)", uri.path()),
+        ),
+    )
+}
+
+async fn method_not_allowed(State(s): State<Shared>, method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    error(&s, api_error(405, "invalid_request_error", format!("{method} is not allowed on {}", uri.path())))
+}
+
+/// Reads a request body up to the configured size, within the configured time.
+async fn read_body(s: &AppState, body: axum::body::Body) -> Result<Bytes, ApiError> {
+    let max = s.cfg.max_body_bytes;
+    let limit = Duration::from_secs(s.cfg.body_timeout_s.max(1));
+    match tokio::time::timeout(limit, axum::body::to_bytes(body, max)).await {
+        Err(_) => Err(api_error(408, "invalid_request_error", format!("the request body did not arrive within {} s", limit.as_secs()))),
+        Ok(Err(_)) => {
+            Err(api_error(413, "invalid_request_error", format!("the request body is larger than {max} bytes (serve --max-body)")))
+        }
+        Ok(Ok(b)) => Ok(b),
+    }
 }
 
 fn error(state: &AppState, e: ApiError) -> Response {
     state.metrics.status(e.status);
+    tracing::info!(status = e.status, message = %e.message, "request refused");
     let mut r = (StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST), Json(e.body())).into_response();
     if e.status == 429 {
         r.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("5"));
+    }
+    if e.status == 401 {
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
     }
     r
 }
@@ -150,7 +241,11 @@ fn api_error(status: u16, kind: &'static str, message: impl Into<String>) -> Api
 
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &state.cfg.api_key else { return Ok(()) };
-    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    // The scheme is case-insensitive (RFC 7235); the key is not.
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+        let (scheme, rest) = v.trim().split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+    });
     if given == Some(key.as_str()) {
         Ok(())
     } else {
@@ -168,7 +263,11 @@ async fn health(State(s): State<Shared>) -> Response {
     }
 }
 
-async fn metrics_text(State(s): State<Shared>) -> Response {
+async fn metrics_text(State(s): State<Shared>, headers: HeaderMap) -> Response {
+    // Behind the key when there is one: the metrics say what the server is doing.
+    if let Err(e) = authorize(&s, &headers) {
+        return error(&s, e);
+    }
     let depth = s.ready.get().map_or(0, |r| r.queue.depth.load(Ordering::Acquire));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render(depth, s.ready.get().is_some())).into_response()
 }
@@ -178,15 +277,29 @@ async fn models(State(s): State<Shared>, headers: HeaderMap) -> Response {
         return error(&s, e);
     }
     s.metrics.status(200);
-    Json(json!({"object": "list", "data": [{"id": s.cfg.model_name, "object": "model", "created": 0, "owned_by": "deltafin"}]}))
-        .into_response()
+    Json(json!({"object": "list", "data": [model_object(&s)]})).into_response()
 }
 
-async fn completions(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+fn model_object(s: &AppState) -> Value {
+    json!({"id": s.cfg.model_name, "object": "model", "created": 0, "owned_by": "deltafin"})
+}
+
+async fn model_by_id(State(s): State<Shared>, headers: HeaderMap, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return error(&s, e);
+    }
+    if id != s.cfg.model_name {
+        return error(&s, api_error(404, "not_found_error", format!("no model `{id}`; this server serves `{}`", s.cfg.model_name)));
+    }
+    s.metrics.status(200);
+    Json(model_object(&s)).into_response()
+}
+
+async fn completions(State(s): State<Shared>, headers: HeaderMap, body: axum::body::Body) -> Response {
     handle(s, headers, body, false).await
 }
 
-async fn chat_completions(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(State(s): State<Shared>, headers: HeaderMap, body: axum::body::Body) -> Response {
     handle(s, headers, body, true).await
 }
 
@@ -206,12 +319,18 @@ struct Turn {
     chat: bool,
     req: Request,
     prompt_len: usize,
+    /// Ends the worker's generation after its current token (a stop string was found).
+    stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
-async fn handle(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Response {
+async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: bool) -> Response {
     if let Err(e) = authorize(&s, &headers) {
         return error(&s, e);
     }
+    let body = match read_body(&s, body).await {
+        Ok(b) => b,
+        Err(e) => return error(&s, e),
+    };
     let Some(ready) = s.ready.get() else {
         let msg = s
             .load_error
@@ -236,19 +355,38 @@ async fn handle(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Respo
             }
         }
         Prompt::Text(t) => (model.tokenizer().encode_ordinary(t), model.tokenizer().special("[EOS]").into_iter().collect()),
+        Prompt::Ids(ids) => {
+            let vocab = model.tokenizer().vocab_len();
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+                return error(&s, ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary (0..{vocab})")));
+            }
+            (ids.clone(), model.tokenizer().special("[EOS]").into_iter().collect())
+        }
     };
     let limit = model.new_sequence().context_limit();
-    if prompt.len() + req.max_tokens > limit {
+    let prompt_param = if chat { "messages" } else { "prompt" };
+    let mut req = req;
+    if !req.max_tokens_given {
+        // No max_tokens sent: the default, clamped to what the context has left.
+        req.max_tokens = req.max_tokens.min(limit.saturating_sub(prompt.len()));
+        if req.max_tokens == 0 && !req.echo {
+            return error(
+                &s,
+                ApiError::bad(prompt_param, format!("the prompt ({} tokens) fills the context limit of {limit} tokens", prompt.len())),
+            );
+        }
+    } else if prompt.len() + req.max_tokens > limit {
         return error(
             &s,
             ApiError::bad(
-                "messages",
+                prompt_param,
                 format!("prompt ({} tokens) + max_tokens ({}) exceed the context limit of {limit} tokens", prompt.len(), req.max_tokens),
             ),
         );
     }
     let (tx, rx) = unbounded_channel();
     let cancel = Cancel::new();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let job = Job {
         prompt: prompt.clone(),
         max_tokens: req.max_tokens,
@@ -257,6 +395,7 @@ async fn handle(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Respo
         prompt_logprobs: (req.echo && req.logprobs).then_some(req.top_logprobs),
         events: tx,
         cancel: cancel.clone(),
+        stop: stop.clone(),
         draft_max: s.cfg.draft_max,
         draft_gate: s.cfg.draft_gate,
     };
@@ -268,12 +407,13 @@ async fn handle(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Respo
     }
     let n = s.counter.fetch_add(1, Ordering::Relaxed);
     let turn = Turn {
-        id: format!("{}-{n:08x}", if chat { "chatcmpl" } else { "cmpl" }),
+        id: format!("{}-{:016x}{n:08x}", if chat { "chatcmpl" } else { "cmpl" }, s.nonce),
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         model: s.cfg.model_name.clone(),
         chat,
         req,
         prompt_len: prompt.len(),
+        stop,
     };
     let guard = CancelOnDrop(cancel);
     s.metrics.status(200);
@@ -282,6 +422,24 @@ async fn handle(s: Shared, headers: HeaderMap, body: Bytes, chat: bool) -> Respo
     } else {
         whole_response(s, model, turn, rx, guard).await
     }
+}
+
+/// The log line of a finished request.
+fn log_done(turn: &Turn, finish: &str, generated: usize, stats: Option<&Stats>) {
+    // Absent only when the worker hung up before reporting.
+    let ttft_ms = stats.map_or("-".to_string(), |s| format!("{:.0}", s.ttft_s * 1000.0));
+    let tok_s = stats.map_or("-".to_string(), |s| format!("{:.2}", s.decode_tok_s));
+    tracing::info!(
+        id = %turn.id,
+        status = 200,
+        stream = turn.req.stream,
+        prompt_tokens = turn.prompt_len,
+        completion_tokens = generated,
+        ttft_ms = %ttft_ms,
+        tok_s = %tok_s,
+        finish,
+        "request done"
+    );
 }
 
 fn usage(turn: &Turn, generated: usize, cached: usize) -> Value {
@@ -327,10 +485,11 @@ async fn whole_response(
     model: Arc<LoadedModel>,
     turn: Turn,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
-    guard: CancelOnDrop,
+    // Held until the response is built: a client that goes away drops it and stops the worker.
+    _guard: CancelOnDrop,
 ) -> Response {
     let tok = model.tokenizer();
-    let mut events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), guard.0.clone());
+    let mut events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), turn.stop.clone());
     let (mut content, mut reasoning) = (String::new(), String::new());
     let mut lps: Vec<TokenLogprob> = vec![];
     let mut prompt_lps: Vec<TokenLogprob> = vec![];
@@ -382,8 +541,10 @@ async fn whole_response(
     } else {
         // `echo`: the prompt comes first, in the text and in the logprobs.
         if turn.req.echo {
-            if let Prompt::Text(p) = &turn.req.prompt {
-                content.insert_str(0, p);
+            match &turn.req.prompt {
+                Prompt::Text(p) => content.insert_str(0, p),
+                Prompt::Ids(ids) => content.insert_str(0, &tok.decode(ids)),
+                Prompt::Chat { .. } => {}
             }
             prompt_lps.append(&mut lps);
             lps = prompt_lps;
@@ -396,6 +557,7 @@ async fn whole_response(
     if let Some(stats) = &done {
         body["timings"] = timings(stats, cached);
     }
+    log_done(&turn, finish, generated, done.as_deref());
     Json(body).into_response()
 }
 
@@ -486,6 +648,7 @@ impl StreamState {
                 // `echo` is refused with `stream`: no prompt logprobs reach a stream.
                 Item::Prompt(_) => {}
                 Item::Finished { reason, stats } => {
+                    log_done(turn, reason, self.events.generated, stats.as_deref());
                     let mut last = chunk(turn, empty_delta(turn), Value::Null, Some(reason));
                     if let Some(stats) = &stats {
                         last["timings"] = timings(stats, self.events.cached);
@@ -509,7 +672,7 @@ fn async_stream(
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     guard: CancelOnDrop,
 ) -> impl futures_util::Stream<Item = Result<SseEvent, Infallible>> {
-    let events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), guard.0.clone());
+    let events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), turn.stop.clone());
     let state = StreamState { rx, _guard: guard, turn, model, events, queue: Default::default() };
     futures_util::stream::unfold((state, false), |(mut st, finished)| async move {
         loop {

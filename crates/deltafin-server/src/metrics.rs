@@ -7,6 +7,41 @@ use std::sync::Mutex;
 
 use deltafin::{BatchStats, Stats};
 
+/// A Prometheus histogram of seconds: cumulative buckets, sum and count.
+pub struct Histogram {
+    counts: Vec<AtomicU64>,
+    sum_us: AtomicU64,
+}
+
+/// Bucket bounds (seconds): a tiny model's milliseconds to K3's minutes.
+const BOUNDS: [f64; 12] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0];
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram { counts: (0..=BOUNDS.len()).map(|_| AtomicU64::new(0)).collect(), sum_us: AtomicU64::new(0) }
+    }
+}
+
+impl Histogram {
+    pub fn observe(&self, secs: f64) {
+        let i = BOUNDS.iter().position(|&b| secs <= b).unwrap_or(BOUNDS.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add((secs.max(0.0) * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, help: &str) -> String {
+        let mut s = format!("# HELP {name} {help}\n# TYPE {name} histogram\n");
+        let mut total = 0;
+        for (i, c) in self.counts.iter().enumerate() {
+            total += c.load(Ordering::Relaxed);
+            let le = BOUNDS.get(i).map_or("+Inf".to_string(), |b| b.to_string());
+            s += &format!("{name}_bucket{{le=\"{le}\"}} {total}\n");
+        }
+        s += &format!("{name}_sum {:.6}\n{name}_count {total}\n", self.sum_us.load(Ordering::Relaxed) as f64 / 1e6);
+        s
+    }
+}
+
 #[derive(Default)]
 pub struct Metrics {
     pub prompt_tokens: AtomicU64,
@@ -22,7 +57,7 @@ pub struct Metrics {
     pub distinct_experts: AtomicU64,
     pub step_expert_bytes_read: AtomicU64,
     last: Mutex<(f64, f64, f64)>,
-    ttft_sum_ms: AtomicU64,
+    ttft: Histogram,
     generations: AtomicU64,
     by_status: Mutex<BTreeMap<u16, u64>>,
 }
@@ -33,7 +68,7 @@ impl Metrics {
         self.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
         self.generated_tokens.fetch_add(s.generated_tokens as u64, Ordering::Relaxed);
         self.expert_bytes_read.fetch_add(s.expert_bytes_read, Ordering::Relaxed);
-        self.ttft_sum_ms.fetch_add((s.ttft_s * 1000.0) as u64, Ordering::Relaxed);
+        self.ttft.observe(s.ttft_s);
         self.generations.fetch_add(1, Ordering::Relaxed);
         *self.last.lock().expect("poisoned") = (s.ttft_s, s.decode_tok_s, s.cache_hit_rate);
     }
@@ -96,18 +131,17 @@ impl Metrics {
         metric("deltafin_generations_total", "counter", "Finished generations", g(&self.generations).to_string());
         metric("deltafin_cancelled_total", "counter", "Generations stopped because the client went away", g(&self.cancelled).to_string());
         metric("deltafin_panics_total", "counter", "Generations that panicked (the server survived)", g(&self.panics).to_string());
-        metric(
-            "deltafin_ttft_seconds_sum",
-            "counter",
-            "Sum of time to first token",
-            format!("{:.3}", g(&self.ttft_sum_ms) as f64 / 1000.0),
-        );
         metric("deltafin_last_ttft_seconds", "gauge", "Time to first token of the last generation", format!("{ttft:.3}"));
         metric("deltafin_last_decode_tokens_per_second", "gauge", "Decode speed of the last generation", format!("{tok_s:.3}"));
         metric("deltafin_last_cache_hit_rate", "gauge", "Expert cache hit rate of the last generation", format!("{hit:.4}"));
+        s += &self.ttft.render("deltafin_ttft_seconds", "Time to first token of finished generations");
         s += "# HELP deltafin_requests_total Requests by HTTP status\n# TYPE deltafin_requests_total counter\n";
-        for (code, n) in self.by_status.lock().expect("poisoned").iter() {
+        let by_status = self.by_status.lock().expect("poisoned");
+        for (code, n) in by_status.iter() {
             s += &format!("deltafin_requests_total{{status=\"{code}\"}} {n}\n");
+        }
+        if by_status.is_empty() {
+            s += "deltafin_requests_total{status=\"200\"} 0\n";
         }
         s
     }

@@ -31,8 +31,13 @@ impl ApiError {
 /// What a request asks the engine for.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
-    Chat { messages: Vec<Message>, reasoning_effort: Option<String> },
+    Chat {
+        messages: Vec<Message>,
+        reasoning_effort: Option<String>,
+    },
     Text(String),
+    /// A completions prompt given as token ids.
+    Ids(Vec<u32>),
 }
 
 /// A validated request.
@@ -40,6 +45,9 @@ pub enum Prompt {
 pub struct Request {
     pub prompt: Prompt,
     pub max_tokens: usize,
+    /// Whether the client set `max_tokens` (else the default, clamped to what the context has
+    /// left, as vLLM and llama.cpp do).
+    pub max_tokens_given: bool,
     pub stop: Vec<String>,
     pub logprobs: bool,
     pub top_logprobs: usize,
@@ -50,8 +58,21 @@ pub struct Request {
     pub echo: bool,
 }
 
-const COMMON: &[&str] =
-    &["model", "max_tokens", "stop", "stream", "stream_options", "user", "metadata", "temperature", "top_p", "n", "seed", "logprobs"];
+const COMMON: &[&str] = &[
+    "model",
+    "max_tokens",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+    "metadata",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "seed",
+    "logprobs",
+];
 const CHAT_ONLY: &[&str] = &["messages", "max_completion_tokens", "top_logprobs", "reasoning_effort", "store"];
 const COMPLETION_ONLY: &[&str] = &["prompt", "echo", "suffix", "best_of"];
 /// Fields the engine cannot honor exactly, with the reason given to the client.
@@ -78,11 +99,14 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
     let obj = v.as_object().ok_or_else(|| ApiError::bad("body", "request body must be a JSON object"))?;
     for (k, val) in obj {
         if let Some((_, why)) = REFUSED.iter().find(|(f, _)| f == k) {
-            // Neutral values (0 penalties, empty bias, null) are the same as absent.
+            // Neutral values (0 penalties, empty bias, null, plain text, no tool call) are the
+            // same as absent.
             let neutral = val.is_null()
                 || val.as_f64() == Some(0.0)
                 || val.as_object().is_some_and(Map::is_empty)
-                || val.as_array().is_some_and(Vec::is_empty);
+                || val.as_array().is_some_and(Vec::is_empty)
+                || (k == "response_format" && val.as_object().is_some_and(|o| o.len() == 1 && o.get("type") == Some(&Value::from("text"))))
+                || (k == "tool_choice" && val.as_str() == Some("none"));
             if !neutral {
                 return Err(ApiError::bad(k, format!("`{k}`: {why}")));
             }
@@ -126,6 +150,12 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
             _ => return Err(ApiError::bad("top_p", "`top_p` must be a number in (0, 1] (output is greedy whatever its value)")),
         }
     }
+    if let Some(t) = num("top_k") {
+        // Greedy is top_k 1; any other value (or -1 and 0, "off") changes nothing here either.
+        if t.as_i64().is_none_or(|k| k < -1) {
+            return Err(ApiError::bad("top_k", "`top_k` must be an integer >= -1 (output is greedy whatever its value)"));
+        }
+    }
     if let Some(s) = num("seed") {
         if s.as_i64().is_none() {
             return Err(ApiError::bad("seed", "`seed` must be an integer"));
@@ -142,6 +172,7 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
         }
     }
     let max_key = if chat && num("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" };
+    let max_tokens_given = num(max_key).is_some();
     let max_tokens = match num(max_key) {
         None => default_max,
         Some(v) => match v.as_u64() {
@@ -207,7 +238,7 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
         return Err(ApiError::bad("echo", "`echo` cannot be streamed; leave out `stream`"));
     }
     let prompt = if chat { parse_chat(obj)? } else { parse_text(obj)? };
-    Ok(Request { prompt, max_tokens, stop, logprobs, top_logprobs, stream, include_usage, echo })
+    Ok(Request { prompt, max_tokens, max_tokens_given, stop, logprobs, top_logprobs, stream, include_usage, echo })
 }
 
 fn parse_text(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
@@ -217,9 +248,23 @@ fn parse_text(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
         Some(Value::Array(a)) if a.len() == 1 && a[0].as_str().is_some_and(|s| !s.is_empty()) => {
             Ok(Prompt::Text(a[0].as_str().unwrap_or_default().to_string()))
         }
-        Some(Value::Array(_)) => Err(ApiError::bad("prompt", "`prompt` must be one non-empty string (batches need n > 1 generations)")),
-        Some(_) => Err(ApiError::bad("prompt", "`prompt` must be a string")),
+        // Token ids, or a list holding one list of them.
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => parse_text_ids(a[0].as_array().expect("an array")),
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_number) => parse_text_ids(a),
+        Some(Value::Array(a)) if a.len() > 1 => Err(ApiError::bad(
+            "prompt",
+            "`prompt` holds several prompts; this server answers one prompt per request: send one request for each",
+        )),
+        Some(_) => Err(ApiError::bad("prompt", "`prompt` must be a non-empty string or a list of token ids")),
         None => Err(ApiError::bad("prompt", "`prompt` is required")),
+    }
+}
+
+fn parse_text_ids(a: &[Value]) -> Result<Prompt, ApiError> {
+    let ids: Option<Vec<u32>> = a.iter().map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok())).collect();
+    match ids {
+        Some(ids) if !ids.is_empty() => Ok(Prompt::Ids(ids)),
+        _ => Err(ApiError::bad("prompt", "`prompt` as token ids must be a non-empty list of non-negative integers")),
     }
 }
 
@@ -296,6 +341,25 @@ mod tests {
         assert!(r.logprobs && r.top_logprobs == 3 && r.stream && r.include_usage);
         let c = parse(br#"{"prompt":"abc","logprobs":2,"max_tokens":3}"#, false, 16).unwrap();
         assert_eq!((c.logprobs, c.top_logprobs, c.max_tokens), (true, 2, 3));
+        assert!(c.max_tokens_given);
+    }
+
+    #[test]
+    fn accepts_harmless_defaults_and_token_id_prompts() {
+        let r = chat(r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"text"},"tool_choice":"none","top_k":1}"#)
+            .unwrap();
+        assert_eq!((r.max_tokens, r.max_tokens_given), (16, false));
+        for body in [r#"{"prompt":[1,2,3]}"#, r#"{"prompt":[[1,2,3]]}"#] {
+            assert_eq!(parse(body.as_bytes(), false, 16).unwrap().prompt, Prompt::Ids(vec![1, 2, 3]), "{body}");
+        }
+        let e = parse(br#"{"prompt":["a","b"]}"#, false, 16).unwrap_err();
+        assert!(e.message.contains("one request for each") && !e.message.contains("n > 1"), "{e:?}");
+        let e = parse(br#"{"prompt":[1,-2]}"#, false, 16).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        let e = chat(r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("response_format"));
+        let e = chat(r#"{"messages":[{"role":"user","content":"hi"}],"top_k":-5}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_k"));
     }
 
     #[test]

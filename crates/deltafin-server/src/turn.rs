@@ -2,9 +2,10 @@
 //! place that applies stop strings, counts generated tokens, and decides the finish reason. The
 //! whole (JSON) response and the streamed (SSE) one only render its items.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use deltafin::{Cancel, LoadedModel, Stats};
+use deltafin::{LoadedModel, Stats};
 
 use crate::output::{Part, Splitter};
 use crate::worker::Event;
@@ -29,7 +30,9 @@ pub enum Item {
 /// A turn's interpretation of its worker's events.
 pub struct TurnEvents {
     split: Splitter,
-    cancel: Cancel,
+    stop: Arc<AtomicBool>,
+    /// A stop string ended the reply; the worker's last events are awaited for its stats.
+    stopping: bool,
     /// Tokens generated (the last one counted ends a stop string, if one was found).
     pub generated: usize,
     /// Prompt tokens the worker reused.
@@ -40,9 +43,9 @@ pub struct TurnEvents {
 
 impl TurnEvents {
     /// `chat`: the prompt opened the assistant's `think` element; `stops`: the request's stop
-    /// strings; `cancel` stops the worker once a stop string is found.
-    pub fn new(model: Arc<LoadedModel>, chat: bool, stops: Vec<String>, cancel: Cancel) -> TurnEvents {
-        TurnEvents { split: Splitter::new(model, chat, stops), cancel, generated: 0, cached: 0, done: false }
+    /// strings; `stop` tells the worker to end after its current token once one is found.
+    pub fn new(model: Arc<LoadedModel>, chat: bool, stops: Vec<String>, stop: Arc<AtomicBool>) -> TurnEvents {
+        TurnEvents { split: Splitter::new(model, chat, stops), stop, stopping: false, generated: 0, cached: 0, done: false }
     }
 
     /// The items one worker event gives (`None`: the worker hung up).
@@ -55,25 +58,23 @@ impl TurnEvents {
                 self.cached = cached_tokens;
                 vec![Item::Started]
             }
+            // Tokens the worker made before it saw the stop are not the client's.
+            Some(Event::Token { .. }) if self.stopping => vec![],
             Some(Event::Token { id, logprob, top }) => {
                 self.generated += 1;
                 let parts = self.split.push(id);
-                let mut items = vec![Item::Token { id, logprob: logprob.map(|l| (l, top)), parts }];
                 if self.split.stopped() {
-                    // A stop string: the worker need not go on.
-                    self.cancel.cancel();
-                    self.done = true;
-                    items.push(Item::Finished { reason: "stop", stats: None });
+                    // A stop string: the worker ends after this token and reports its stats.
+                    self.stop.store(true, Ordering::Release);
+                    self.stopping = true;
                 }
-                items
+                vec![Item::Token { id, logprob: logprob.map(|l| (l, top)), parts }]
             }
             Some(Event::Done { stats, cached_tokens, hit_stop_id }) => {
                 self.cached = cached_tokens;
                 self.done = true;
-                vec![
-                    Item::Text(self.split.finish()),
-                    Item::Finished { reason: if hit_stop_id { "stop" } else { "length" }, stats: Some(stats) },
-                ]
+                let reason = if hit_stop_id || self.stopping { "stop" } else { "length" };
+                vec![Item::Text(self.split.finish()), Item::Finished { reason, stats: Some(stats) }]
             }
             Some(Event::PromptLogprobs(items)) => vec![Item::Prompt(items)],
             Some(Event::Failed(msg)) => {

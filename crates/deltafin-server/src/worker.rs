@@ -33,6 +33,9 @@ pub struct Job {
     pub prompt_logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
     pub cancel: Cancel,
+    /// Set when a stop string ended the reply: the generation ends after its current token, with
+    /// its stats (a cancel would lose them and count as a client gone).
+    pub stop: Arc<std::sync::atomic::AtomicBool>,
     /// Most drafts verified per step (with a drafter set), and whether the cost gate picks each
     /// step's length.
     pub draft_max: usize,
@@ -89,12 +92,12 @@ pub struct Queue {
 
 impl Queue {
     /// Queues a job, or gives it back if `max_queue` jobs already wait.
-    pub fn submit(&self, job: Job) -> Result<(), Job> {
+    pub fn submit(&self, job: Job) -> Result<(), Box<Job>> {
         self.depth.fetch_add(1, Ordering::AcqRel);
         self.tx.try_send(job).map_err(|e| {
             self.depth.fetch_sub(1, Ordering::AcqRel);
             match e {
-                mpsc::TrySendError::Full(j) | mpsc::TrySendError::Disconnected(j) => j,
+                mpsc::TrySendError::Full(j) | mpsc::TrySendError::Disconnected(j) => Box::new(j),
             }
         })
     }
@@ -160,7 +163,9 @@ impl Output for JobOutput<'_> {
             Some(k) => logprobs(step.logits, step.id, k),
             None => (None, vec![]),
         };
-        self.job.events.send(Event::Token { id: step.id, logprob, top }).is_ok() && !self.job.cancel.is_cancelled()
+        self.job.events.send(Event::Token { id: step.id, logprob, top }).is_ok()
+            && !self.job.cancel.is_cancelled()
+            && !self.job.stop.load(Ordering::Acquire)
     }
 }
 
@@ -217,7 +222,7 @@ fn on_batch_event(e: BatchEvent<'_>, jobs: &mut HashMap<JobId, Job>, metrics: &M
                 Some(k) => logprobs(step.logits, step.id, k),
                 None => (None, vec![]),
             };
-            j.events.send(Event::Token { id: step.id, logprob, top }).is_ok() && !j.cancel.is_cancelled()
+            j.events.send(Event::Token { id: step.id, logprob, top }).is_ok() && !j.cancel.is_cancelled() && !j.stop.load(Ordering::Acquire)
         }
         BatchEvent::PromptLogits { job, first, logits } => {
             if let Some(j) = jobs.get(&job) {

@@ -35,7 +35,18 @@ impl Checkpoint {
     /// Opens `dir`, parsing the config, the index and every shard header.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let cfg_path = dir.join("config.json");
-        let config_text = std::fs::read_to_string(&cfg_path).map_err(Error::io(&cfg_path))?;
+        let config_text = match std::fs::read_to_string(&cfg_path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && dir.is_dir() => {
+                return Err(Error::format(
+                    dir,
+                    "not a model folder: it has no config.json. A model folder is a K3 checkpoint in the release layout \
+                     (config.json, tiktoken.model, tokenizer_config.json and model-*.safetensors shards with their index), \
+                     a store made by `deltafin setup`, or hf://OWNER/REPO for a model in the Hugging Face cache",
+                ))
+            }
+            Err(e) => return Err(Error::Io { path: cfg_path, err: e }),
+        };
         let config = K3Config::from_json(&config_text).map_err(|e| Error::format(&cfg_path, e.to_string()))?;
         let shards = Shards::open(dir)?;
         Ok(Checkpoint { dir: dir.to_path_buf(), config_text, config, shards })

@@ -48,7 +48,10 @@ pub enum Error {
     #[error("expert {layer}/{expert}: a reader thread failed ({why}); this is a bug in deltafin, please report it")]
     ReaderFailed { layer: usize, expert: usize, why: String },
     /// The RAM budget is too small to run at all.
-    #[error("RAM budget {budget} bytes is too small: this model needs at least {minimum} bytes ({why})")]
+    #[error(
+        "RAM budget {budget} bytes ({}) is too small: this model needs at least {minimum} bytes ({}: {why}); try --ram-budget {}",
+        human(*.budget), human(*.minimum), suggest(*.minimum)
+    )]
     BudgetTooSmall { budget: u64, minimum: u64, why: String },
     /// A `hf://` model asked for in the local Hugging Face cache is not there (or incomplete).
     #[error("{spec} is not in the Hugging Face cache at {looked}: {why}; {advice}")]
@@ -73,3 +76,22 @@ impl Error {
 
 /// Result alias used across the crate.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Bytes as MB or GB, for people.
+fn human(b: u64) -> String {
+    if b >= 1_000_000_000 {
+        format!("{:.2} GB", b as f64 / 1e9)
+    } else {
+        format!("{:.1} MB", b as f64 / 1e6)
+    }
+}
+
+/// A `--ram-budget` value at or just above `minimum`: whole megabytes below a gigabyte, else
+/// tenths of a gigabyte, rounded up.
+fn suggest(minimum: u64) -> String {
+    if minimum < 1_000_000_000 {
+        format!("{}M", minimum.div_ceil(1_000_000))
+    } else {
+        format!("{:.1}G", minimum.div_ceil(100_000_000) as f64 / 10.0)
+    }
+}

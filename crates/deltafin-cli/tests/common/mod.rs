@@ -1,6 +1,8 @@
 //! What the CLI's test files share: the binary, the fixture and its reference output.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::PathBuf;
 use std::process::Command;
 

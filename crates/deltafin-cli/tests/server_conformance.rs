@@ -1,0 +1,196 @@
+//! What people hit next with the server (issue 19's list), each with the test that would have
+//! caught it: defaults clamped to the context, JSON for every HTTP error, `models.retrieve`,
+//! harmless defaults accepted, metrics that count stop strings and parse as Prometheus text,
+//! security defaults, ids unique across restarts, graceful shutdown, a missing model exiting.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::server::*;
+use common::{bin, PROMPT_IDS, PROMPT_TEXT};
+use serde_json::{json, Value};
+
+#[test]
+fn the_default_max_tokens_is_clamped_to_the_context_and_errors_name_the_prompt() {
+    let s = start(&["--context", "160", "--default-max-tokens", "512"]);
+    let long = "Numbers matter here too: 12 boats and 42 answers. ".repeat(3);
+    let (st, v) = s.json("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": long}]}));
+    assert_eq!(st, 200, "{v}");
+    let u = &v["usage"];
+    assert!(u["completion_tokens"].as_u64().unwrap() >= 1 && u["total_tokens"].as_u64().unwrap() <= 160, "{v}");
+    // A max_tokens the client did set is honoured or refused, naming what overflows.
+    let (st, v) = s.json("/v1/completions", &json!({"prompt": long, "max_tokens": 90}));
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("prompt")), "{v}");
+    let (st, v) = s.json("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": long}], "max_tokens": 90}));
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
+}
+
+#[test]
+fn every_http_error_is_json_and_models_retrieve_works() {
+    let s = start(&["--max-body", "1K"]);
+    let (st, head, body) = s.request("GET", "/v1/nothing", None, &[]).unwrap();
+    assert_eq!(st, 404);
+    assert!(head.to_ascii_lowercase().contains("application/json"));
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"]["type"], "not_found_error");
+    let (st, _, body) = s.request("DELETE", "/v1/chat/completions", None, &[]).unwrap();
+    assert_eq!(st, 405);
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["error"]["message"].as_str().unwrap().contains("DELETE"));
+    let big = json!({"prompt": "x".repeat(2000)});
+    let (st, _, body) = s.post("/v1/completions", &big);
+    assert_eq!(st, 413);
+    assert!(serde_json::from_str::<Value>(&body).unwrap()["error"]["message"].as_str().unwrap().contains("--max-body"));
+    let (_, _, list) = s.request("GET", "/v1/models", None, &[]).unwrap();
+    let id = serde_json::from_str::<Value>(&list).unwrap()["data"][0]["id"].as_str().unwrap().to_string();
+    let (st, _, one) = s.request("GET", &format!("/v1/models/{id}"), None, &[]).unwrap();
+    assert_eq!(st, 200);
+    assert_eq!(serde_json::from_str::<Value>(&one).unwrap()["id"], id.as_str());
+    let (st, _, _) = s.request("GET", "/v1/models/gpt-4", None, &[]).unwrap();
+    assert_eq!(st, 404);
+}
+
+#[test]
+fn harmless_defaults_are_accepted_and_token_id_prompts_match_text() {
+    let s = start(&[]);
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "text"},
+        "tool_choice": "none", "top_k": 1});
+    let (st, v) = s.json("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let ids: Vec<u32> = PROMPT_IDS.split(',').map(|x| x.parse().unwrap()).collect();
+    let (_, by_text) = s.json("/v1/completions", &json!({"prompt": PROMPT_TEXT, "max_tokens": 6}));
+    for prompt in [json!(ids), json!([ids])] {
+        let (st, by_ids) = s.json("/v1/completions", &json!({"prompt": prompt, "max_tokens": 6}));
+        assert_eq!(st, 200, "{by_ids}");
+        assert_eq!(by_ids["choices"][0]["text"], by_text["choices"][0]["text"]);
+    }
+    let (st, v) = s.json("/v1/completions", &json!({"prompt": [1, 999999999]}));
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("prompt")), "{v}");
+}
+
+#[test]
+fn metrics_count_stop_strings_and_errors_and_parse_as_prometheus_text() {
+    let s = start(&[]);
+    // Find a string the reply contains, then stop on it.
+    let (_, free) = s.json("/v1/completions", &json!({"prompt": PROMPT_TEXT, "max_tokens": 8}));
+    let text = free["choices"][0]["text"].as_str().unwrap().to_string();
+    let stop: String = text.chars().skip(text.chars().count() / 2).take(2).collect();
+    let (st, v) = s.json("/v1/completions", &json!({"prompt": PROMPT_TEXT, "max_tokens": 8, "stop": [stop]}));
+    assert_eq!(st, 200);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["timings"].is_object(), "a reply ended by a stop string has its timings: {v}");
+    let _ = s.request("GET", "/v1/missing", None, &[]).unwrap();
+    let (_, _, text) = s.request("GET", "/metrics", None, &[]).unwrap();
+    let lines = text.lines().map(|l| Ok(l.to_string()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("valid Prometheus text");
+    let value = |name: &str, status: Option<&str>| -> f64 {
+        let m = scrape
+            .samples
+            .iter()
+            .find(|m| m.metric == name && status.is_none_or(|st| m.labels.get("status") == Some(st)))
+            .unwrap_or_else(|| panic!("{name} {status:?} in {text}"));
+        match &m.value {
+            prometheus_parse::Value::Counter(x) | prometheus_parse::Value::Gauge(x) | prometheus_parse::Value::Untyped(x) => *x,
+            prometheus_parse::Value::Histogram(h) => h.last().map_or(0.0, |b| b.count),
+            prometheus_parse::Value::Summary(_) => f64::NAN,
+        }
+    };
+    assert_eq!(value("deltafin_generations_total", None), 2.0, "the stopped reply is a finished generation");
+    assert_eq!(value("deltafin_cancelled_total", None), 0.0, "a stop string is not a client gone");
+    assert!(value("deltafin_generated_tokens_total", None) >= 9.0);
+    assert_eq!(value("deltafin_requests_total", Some("404")), 1.0);
+    assert_eq!(value("deltafin_ttft_seconds", None), 2.0, "the TTFT histogram counts both");
+    assert!(text.contains("deltafin_ttft_seconds_count 2"), "{text}");
+}
+
+#[test]
+fn security_defaults_metrics_behind_the_key_any_case_bearer_and_a_body_timeout() {
+    let s = start(&["--api-key", "sekrit", "--body-timeout", "1"]);
+    let (st, head, _) = s.request("GET", "/metrics", None, &[]).unwrap();
+    assert_eq!(st, 401);
+    assert!(head.to_ascii_lowercase().contains("www-authenticate: bearer"), "{head}");
+    let (st, _, _) = s.request("GET", "/metrics", None, &[("Authorization", "bearer sekrit")]).unwrap();
+    assert_eq!(st, 200);
+    let (st, _, _) = s.request("GET", "/v1/models", None, &[("Authorization", "BEARER sekrit")]).unwrap();
+    assert_eq!(st, 200);
+    let (st, _, _) = s.request("GET", "/v1/models", None, &[("Authorization", "Bearer SEKRIT")]).unwrap();
+    assert_eq!(st, 401, "the key itself is case-sensitive");
+    // A body that never finishes arriving gets 408 instead of holding the connection.
+    let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"pro").unwrap();
+    let t0 = Instant::now();
+    let mut got = vec![0u8; 512];
+    let n = c.read(&mut got).unwrap();
+    assert!(String::from_utf8_lossy(&got[..n]).starts_with("HTTP/1.1 408"), "{}", String::from_utf8_lossy(&got[..n]));
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn listening_beyond_loopback_without_a_key_warns() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut child = bin()
+        .args(["serve", "--host", "0.0.0.0", "--port", &port.to_string(), "--model"])
+        .arg(common::fixture())
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("without --api-key"), "{err}");
+}
+
+#[test]
+fn response_ids_differ_across_restarts() {
+    let first = |s: &Server| s.json("/v1/completions", &json!({"prompt": "x", "max_tokens": 1})).1["id"].as_str().unwrap().to_string();
+    let a = first(&start(&[]));
+    let b = first(&start(&[]));
+    assert_ne!(a, b);
+    assert!(a.starts_with("cmpl-"));
+}
+
+#[test]
+fn sigterm_finishes_a_running_stream_with_done_and_exits_cleanly() {
+    let s = start(&[]);
+    let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let body = json!({"prompt": "Numbers", "max_tokens": 200, "stream": true}).to_string();
+    write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len())
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = s.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let mut all = String::new();
+    let _ = c.read_to_string(&mut all);
+    assert!(all.contains("data: [DONE]"), "the stream ends properly: {all}");
+    let mut s = s;
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "the server exits after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn a_model_that_is_missing_or_fails_to_load_ends_the_server_with_an_error() {
+    let out = bin().args(["serve", "--model", "/nonexistent/model", "--port", "1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no such model"), "{}", String::from_utf8_lossy(&out.stderr));
+    // A folder that exists but is no model: the load fails after listening; the server exits.
+    let tmp = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let t0 = Instant::now();
+    let out = bin().args(["serve", "--port", &port.to_string(), "--model"]).arg(tmp.path()).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("loading the model failed"));
+    assert!(t0.elapsed() < Duration::from_secs(20));
+}
