@@ -50,6 +50,10 @@ pub struct ServeArgs {
     /// 0: nothing kept.
     #[arg(long, default_value_t = 1)]
     pub keep_states: usize,
+    /// Put K3's reasoning in `content` inside <think>...</think> instead of in
+    /// `reasoning_content` (for clients that show only `content`).
+    #[arg(long)]
+    pub reasoning_in_content: bool,
 }
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
@@ -85,6 +89,7 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         draft_max: a.model.draft_max(),
         draft_gate: !a.model.draft_fixed,
         max_batch: a.max_batch.max(1),
+        reasoning_in_content: a.reasoning_in_content,
     };
     let margs = a.model.clone();
     let (slots, kept) = (a.max_batch.max(1), a.keep_states);

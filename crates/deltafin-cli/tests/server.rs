@@ -129,7 +129,8 @@ fn refusals_are_openai_shaped_400s_naming_the_field() {
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let cases = [
         (json!({"messages": msgs, "n": 3}), "n"),
-        (json!({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+        (json!({"messages": msgs, "tools": [{"type": "function"}]}), "tools[0]"),
+        (json!({"messages": msgs, "tool_choice": "required"}), "tool_choice"),
         (json!({"messages": msgs, "presence_penalty": 1.0}), "presence_penalty"),
         (json!({"messages": msgs, "logit_bias": {"5": 10}}), "logit_bias"),
         (

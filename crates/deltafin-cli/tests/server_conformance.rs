@@ -194,3 +194,98 @@ fn a_model_that_is_missing_or_fails_to_load_ends_the_server_with_an_error() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("loading the model failed"));
     assert!(t0.elapsed() < Duration::from_secs(20));
 }
+
+/// A recorded K3 reply that reasons, then calls a tool (what no random model emits).
+const TOOL_REPLY: &str = "planning<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tool_call id=\"call_7\" name=\"get_weather\"<|sep|>{\"city\": \"Paris\"}<|close|>tool_call<|sep|><|close|>message<|sep|><|end_of_msg|>";
+
+fn tools() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
+}
+
+#[test]
+fn tool_calls_of_a_recorded_reply_come_back_whole_and_streamed_and_official_clients_parse_them() {
+    let s = start_env(&[], &[("DELTAFIN_REPLAY_REPLY", TOOL_REPLY)]);
+    let body = json!({"messages": [{"role": "user", "content": "weather?"}], "tools": tools()});
+    let (st, v) = s.json("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls");
+    assert_eq!(c["message"]["content"], Value::Null);
+    assert_eq!(c["message"]["reasoning_content"], "planning");
+    let call = &c["message"]["tool_calls"][0];
+    assert_eq!((call["id"].as_str(), call["function"]["name"].as_str()), (Some("call_7"), Some("get_weather")));
+    assert_eq!(call["function"]["arguments"], "{\"city\": \"Paris\"}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, _, text) = s.post("/v1/chat/completions", &streamed);
+    let (mut args, mut name, mut finish) = (String::new(), String::new(), String::new());
+    for d in sse_data(&text).iter().filter(|d| *d != "[DONE]") {
+        let v: Value = serde_json::from_str(d).unwrap();
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+        for t in v["choices"][0]["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            name.push_str(t["function"]["name"].as_str().unwrap_or(""));
+            args.push_str(t["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!((name.as_str(), args.as_str(), finish.as_str()), ("get_weather", "{\"city\": \"Paris\"}", "tool_calls"));
+    let has = Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
+    if !has {
+        eprintln!("SKIPPED: the `openai` Python package is not installed (pip install openai); .ci/run installs it");
+        return;
+    }
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tools.py");
+    let out = Command::new("python3").arg(script).arg(format!("http://127.0.0.1:{}/v1", s.port)).output().unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn a_required_or_named_tool_choice_opens_the_call_for_the_model() {
+    let s = start(&[]);
+    let msgs = json!([{"role": "user", "content": "weather?"}]);
+    let tokens = |choice: Value| {
+        let (st, v) = s.json("/v1/chat/completions", &json!({"messages": msgs, "tools": tools(), "tool_choice": choice, "max_tokens": 3}));
+        assert_eq!(st, 200, "{v}");
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let auto = tokens(json!("auto"));
+    let required = tokens(json!("required"));
+    let named = tokens(json!({"type": "function", "function": {"name": "get_weather"}}));
+    // The prompt opens the call: an empty think, `tool_call`, and for a named call its name.
+    assert!(required > auto && named > required, "{auto} {required} {named}");
+    assert!(tokens(json!("none")) < auto, "no tool declared with tool_choice none");
+    let (st, v) = s.json(
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "tools": tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+    );
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("tool_choice")));
+}
+
+#[test]
+fn reasoning_is_apart_by_default_and_folded_into_content_when_asked() {
+    let reply = "weighing it<|close|>think<|sep|><|open|>response<|sep|>Hello<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>";
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]});
+    for fold in [false, true] {
+        let s = start_env(if fold { &["--reasoning-in-content"] } else { &[] }, &[("DELTAFIN_REPLAY_REPLY", reply)]);
+        let (_, v) = s.json("/v1/chat/completions", &body);
+        let m = &v["choices"][0]["message"];
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (_, _, text) = s.post("/v1/chat/completions", &streamed);
+        let (mut content, mut reasoning) = (String::new(), String::new());
+        for d in sse_data(&text).iter().filter(|d| *d != "[DONE]") {
+            let v: Value = serde_json::from_str(d).unwrap();
+            content.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+            reasoning.push_str(v["choices"][0]["delta"]["reasoning_content"].as_str().unwrap_or(""));
+        }
+        if fold {
+            assert_eq!(m["content"], "<think>weighing it</think>Hello", "{v}");
+            assert!(m.get("reasoning_content").is_none(), "{v}");
+            assert_eq!((content.as_str(), reasoning.as_str()), ("<think>weighing it</think>Hello", ""));
+        } else {
+            assert_eq!((m["content"].as_str(), m["reasoning_content"].as_str()), (Some("Hello"), Some("weighing it")), "{v}");
+            assert_eq!((content.as_str(), reasoning.as_str()), ("Hello", "weighing it"));
+        }
+    }
+}

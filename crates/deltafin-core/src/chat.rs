@@ -35,13 +35,51 @@ pub struct Message {
     pub content: String,
     /// The assistant's reasoning, rendered as the `think` element.
     pub reasoning: Option<String>,
+    /// The assistant's tool calls, each a `tool_call` element after its response.
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool message: the call it answers (its `id` attribute).
+    pub tool_call_id: Option<String>,
 }
 
 impl Message {
     /// A message with no reasoning part.
     pub fn new(role: Role, content: impl Into<String>) -> Message {
-        Message { role, content: content.into(), reasoning: None }
+        Message { role, content: content.into(), reasoning: None, tool_calls: Vec::new(), tool_call_id: None }
     }
+}
+
+/// A call of a declared tool: `<|open|>tool_call id="ID" name="NAME"<|sep|>ARGUMENTS<|close|>tool_call<|sep|>`
+/// inside the assistant's message, after its `response`; `arguments` is the JSON text given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+/// How the assistant turn is opened when tools are declared.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolTurn {
+    /// The model reasons and chooses (`tool_choice` auto).
+    Free,
+    /// The model must call a tool: the turn is opened with an empty `think` and an open
+    /// `tool_call` element, so the model writes which one and its arguments.
+    Required,
+    /// The model must call this tool: the element is opened up to its `name` attribute.
+    Named(String),
+}
+
+/// An attribute value as text in a tag: quotes and ampersands escaped, so a value cannot end
+/// its attribute early (it is ordinary text either way: never a control token).
+pub fn attr_value(v: &str) -> String {
+    v.replace('&', "&amp;").replace('"', "&quot;")
+}
+
+/// The value of attribute `name` in a tag's text (`tool_call id="a" name="b"`), unescaped.
+pub fn attr_of(tag: &str, name: &str) -> Option<String> {
+    let start = tag.find(&format!(" {name}=\""))? + name.len() + 3;
+    let end = tag[start..].find('"')? + start;
+    Some(tag[start..end].replace("&quot;", "\"").replace("&amp;", "&"))
 }
 
 /// Renders conversations with a tokenizer's control ids.
@@ -82,6 +120,18 @@ impl<'a> ChatFormat<'a> {
     /// Renders `messages` and opens the assistant turn (ready to generate the `think` part).
     /// `reasoning_effort` (low/high/max) adds the thinking-effort system element.
     pub fn render(&self, messages: &[Message], reasoning_effort: Option<&str>) -> Result<Vec<u32>> {
+        self.render_with_tools(messages, reasoning_effort, None, &ToolTurn::Free)
+    }
+
+    /// [`ChatFormat::render`] with `tools` (the declarations' JSON text) in a system message of
+    /// type `tool-declare` first, and the assistant turn opened as `turn` says.
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        reasoning_effort: Option<&str>,
+        tools: Option<&str>,
+        turn: &ToolTurn,
+    ) -> Result<Vec<u32>> {
         if messages.is_empty() {
             return Err(Error::Tokenizer("a conversation needs at least one message".into()));
         }
@@ -95,11 +145,28 @@ impl<'a> ChatFormat<'a> {
             self.close(&mut out, "message");
             out.push(self.end_of_msg);
         }
+        if let Some(tools) = tools {
+            self.open(&mut out, "message role=\"system\" type=\"tool-declare\"");
+            out.extend(self.tok.encode_ordinary(tools));
+            self.close(&mut out, "message");
+            out.push(self.end_of_msg);
+        }
         for m in messages {
-            self.open(&mut out, &format!("message role=\"{}\"", m.role.name()));
+            match &m.tool_call_id {
+                Some(id) if m.role == Role::Tool => {
+                    self.open(&mut out, &format!("message role=\"tool\" id=\"{}\"", attr_value(id)));
+                }
+                _ => self.open(&mut out, &format!("message role=\"{}\"", m.role.name())),
+            }
             if m.role == Role::Assistant {
                 self.element(&mut out, "think", m.reasoning.as_deref().unwrap_or(""));
                 self.element(&mut out, "response", &m.content);
+                for c in &m.tool_calls {
+                    let tag = format!("tool_call id=\"{}\" name=\"{}\"", attr_value(&c.id), attr_value(&c.name));
+                    self.open(&mut out, &tag);
+                    out.extend(self.tok.encode_ordinary(&c.arguments));
+                    self.close(&mut out, "tool_call");
+                }
             } else {
                 out.extend(self.tok.encode_ordinary(&m.content));
             }
@@ -107,7 +174,18 @@ impl<'a> ChatFormat<'a> {
             out.push(self.end_of_msg);
         }
         self.open(&mut out, "message role=\"assistant\"");
-        self.open(&mut out, "think");
+        match turn {
+            ToolTurn::Free => self.open(&mut out, "think"),
+            ToolTurn::Required | ToolTurn::Named(_) => {
+                self.element(&mut out, "think", "");
+                out.push(self.open);
+                let head = match turn {
+                    ToolTurn::Named(name) => format!("tool_call name=\"{}\"", attr_value(name)),
+                    _ => "tool_call".to_string(),
+                };
+                out.extend(self.tok.encode_ordinary(&head));
+            }
+        }
         Ok(out)
     }
 
@@ -156,5 +234,56 @@ mod tests {
         assert!(text.ends_with("<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>"));
         assert!(chat.render(&[], None).is_err());
         assert!(chat.render(&[Message::new(Role::User, "x")], Some("extreme")).is_err());
+    }
+
+    #[test]
+    fn tool_calls_round_trip_through_the_format_and_the_reply_parser() {
+        use crate::reply::{ReplySplitter, ToolEvent};
+        let t = tok();
+        let chat = ChatFormat::new(&t).unwrap();
+        let calls = vec![
+            ToolCall { id: "call_1".into(), name: "get_weather".into(), arguments: r#"{"city": "Paris \"centre\""}"#.into() },
+            ToolCall { id: "c\"2".into(), name: "clock".into(), arguments: "{}".into() },
+        ];
+        let mut a = Message::new(Role::Assistant, "");
+        a.reasoning = Some("look it up".into());
+        a.tool_calls = calls.clone();
+        let mut result = Message::new(Role::Tool, "18C");
+        result.tool_call_id = Some("call_1".into());
+        let tools = r#"[{"type":"function","function":{"name":"get_weather"}}]"#;
+        let ids = chat.render_with_tools(&[Message::new(Role::User, "weather?"), a, result], None, Some(tools), &ToolTurn::Free).unwrap();
+        let text = t.decode(&ids);
+        assert!(text.starts_with(&format!("<|open|>message role=\"system\" type=\"tool-declare\"<|sep|>{tools}<|close|>message<|sep|>")));
+        assert!(text.contains("<|open|>message role=\"tool\" id=\"call_1\"<|sep|>18C<|close|>message<|sep|>"), "{text}");
+        // The assistant message as the model would generate it: after its opened `think`.
+        let open_think = [chat.open].into_iter().chain(t.encode_ordinary("think")).chain([chat.sep]).collect::<Vec<_>>();
+        let at = ids.windows(open_think.len()).position(|w| w == open_think.as_slice()).unwrap() + open_think.len();
+        let mut split = ReplySplitter::new(&t, true, vec![]).with_tools();
+        let mut reasoning = String::new();
+        for &id in &ids[at..] {
+            for (part, s) in split.push(&t, id) {
+                if part == crate::reply::Part::Reasoning {
+                    reasoning.push_str(&s);
+                }
+            }
+            if id == chat.end_of_msg {
+                break;
+            }
+        }
+        let mut got: Vec<ToolCall> = vec![];
+        for e in split.take_tool_events() {
+            match e {
+                ToolEvent::Start { index, id, name } => {
+                    assert_eq!(index, got.len());
+                    got.push(ToolCall { id: id.unwrap_or_default(), name, arguments: String::new() });
+                }
+                ToolEvent::Args { index, text } => got[index].arguments.push_str(&text),
+            }
+        }
+        assert_eq!(got, calls);
+        assert_eq!(reasoning, "look it up");
+        // A required call opens the element for the model; a named one up to its name.
+        let ids = chat.render_with_tools(&[Message::new(Role::User, "x")], None, Some(tools), &ToolTurn::Named("clock".into())).unwrap();
+        assert!(t.decode(&ids).ends_with("<|open|>think<|sep|><|close|>think<|sep|><|open|>tool_call name=\"clock\""));
     }
 }

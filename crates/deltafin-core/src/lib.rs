@@ -29,7 +29,7 @@ mod weights;
 
 pub use crate::{
     backend::{Backend, Cpu, MlaHead},
-    chat::{ChatFormat, Message, Role},
+    chat::{ChatFormat, Message, Role, ToolCall, ToolTurn},
     config::{AttentionKind, ExpertShape, K3Config, MlpKind},
     error::{Error, Result},
     kernels::{
@@ -41,7 +41,7 @@ pub use crate::{
         chunked_delta_rule, expert_forward, EmbedRows, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine, Recording,
         Residual, Route, LM_PREFIX,
     },
-    reply::{Part as ReplyPart, ReplySplitter},
+    reply::{Part as ReplyPart, ReplySplitter, ToolEvent},
     tensor::Mat,
     tokenizer::{byte_level_spelling, reserved_token_name, HfTokenizer, StreamDecoder, Tokenizer, K3_PATTERN, RESERVED},
     weights::{bf16_to_f32, Bf16Matrix, ByteOwner, Bytes, DType, TensorBytes, TensorSource},

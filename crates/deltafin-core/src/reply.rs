@@ -11,6 +11,14 @@ pub enum Part {
     Content,
 }
 
+/// A tool call as it is generated: its `tool_call` element opens (`id` if the model gave one,
+/// and `name`), then its arguments arrive as text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolEvent {
+    Start { index: usize, id: Option<String>, name: String },
+    Args { index: usize, text: String },
+}
+
 /// Splits a generation into reasoning and content, and applies stop strings.
 pub struct ReplySplitter {
     ctl: Option<(u32, u32, u32)>,
@@ -21,6 +29,13 @@ pub struct ReplySplitter {
     stops: Vec<String>,
     /// A stop string was found: nothing more is emitted.
     pub stopped: bool,
+    /// Whether `tool_call` elements are parsed (tools were declared).
+    tools: bool,
+    /// The tool call being generated (its index) and its incomplete UTF-8.
+    tool: Option<(usize, Vec<u8>)>,
+    calls: usize,
+    /// Tool-call events since the caller last took them ([`ReplySplitter::take_tool_events`]).
+    tool_events: Vec<ToolEvent>,
 }
 
 impl ReplySplitter {
@@ -39,7 +54,35 @@ impl ReplySplitter {
             held: [String::new(), String::new()],
             stops,
             stopped: false,
+            tools: false,
+            tool: None,
+            calls: 0,
+            tool_events: vec![],
         }
+    }
+
+    /// Parses `tool_call` elements into [`ToolEvent`]s (tools were declared).
+    pub fn with_tools(mut self) -> ReplySplitter {
+        self.tools = true;
+        self
+    }
+
+    /// The prompt ended inside an open tag whose text so far is `ids` (a turn opened with a
+    /// `tool_call` element the model must finish).
+    pub fn in_open_tag(mut self, ids: Vec<u32>) -> ReplySplitter {
+        self.tag = Some((true, ids));
+        self.section = Part::Content;
+        self
+    }
+
+    /// Tool calls started and argument text generated since the last call.
+    pub fn take_tool_events(&mut self) -> Vec<ToolEvent> {
+        std::mem::take(&mut self.tool_events)
+    }
+
+    /// How many tool calls were opened.
+    pub fn tool_calls(&self) -> usize {
+        self.calls
     }
 
     /// Adds one id (decoded with `tok`, the tokenizer it was made with); returns the text pieces
@@ -61,6 +104,22 @@ impl ReplySplitter {
                 let name = tok.decode(ids);
                 let is_open = *is_open;
                 self.tag = None;
+                if self.tools && name.trim_start().starts_with("tool_call") {
+                    if is_open {
+                        let index = self.calls;
+                        self.calls += 1;
+                        let id = crate::chat::attr_of(&name, "id");
+                        self.tool_events.push(ToolEvent::Start {
+                            index,
+                            id,
+                            name: crate::chat::attr_of(&name, "name").unwrap_or_default(),
+                        });
+                        self.tool = Some((index, vec![]));
+                    } else {
+                        self.tool = None;
+                    }
+                    return vec![];
+                }
                 if is_open {
                     self.section = if name.trim().starts_with("think") { Part::Reasoning } else { Part::Content };
                 } else {
@@ -73,26 +132,17 @@ impl ReplySplitter {
         if tok.is_special(id) {
             return vec![];
         }
+        if let Some((index, pending)) = &mut self.tool {
+            pending.extend(tok.id_bytes(id));
+            let text = take_utf8(pending);
+            if !text.is_empty() {
+                self.tool_events.push(ToolEvent::Args { index: *index, text });
+            }
+            return vec![];
+        }
         let bytes = tok.id_bytes(id);
         self.pending.extend(bytes);
-        let text = match std::str::from_utf8(&self.pending) {
-            Ok(s) => {
-                let s = s.to_string();
-                self.pending.clear();
-                s
-            }
-            Err(e) if e.error_len().is_none() && self.pending.len() - e.valid_up_to() <= 3 => {
-                let v = e.valid_up_to();
-                let s = String::from_utf8_lossy(&self.pending[..v]).into_owned();
-                self.pending.drain(..v);
-                s
-            }
-            Err(_) => {
-                let s = String::from_utf8_lossy(&self.pending).into_owned();
-                self.pending.clear();
-                s
-            }
-        };
+        let text = take_utf8(&mut self.pending);
         self.feed(self.section, text)
     }
 
@@ -144,5 +194,28 @@ impl ReplySplitter {
             }
         }
         out
+    }
+}
+
+/// The complete UTF-8 text at the front of `pending` (a sequence cut by a token boundary waits
+/// for the rest; one that can never complete is taken lossily).
+fn take_utf8(pending: &mut Vec<u8>) -> String {
+    match std::str::from_utf8(pending) {
+        Ok(s) => {
+            let s = s.to_string();
+            pending.clear();
+            s
+        }
+        Err(e) if e.error_len().is_none() && pending.len() - e.valid_up_to() <= 3 => {
+            let v = e.valid_up_to();
+            let s = String::from_utf8_lossy(&pending[..v]).into_owned();
+            pending.drain(..v);
+            s
+        }
+        Err(_) => {
+            let s = String::from_utf8_lossy(pending).into_owned();
+            pending.clear();
+            s
+        }
     }
 }

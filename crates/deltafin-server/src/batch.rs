@@ -205,6 +205,7 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
         draft_max: 0,
         draft_gate: true,
         max_batch,
+        reasoning_in_content: false,
     };
     let model = Arc::new(model);
     let state = AppState::new(server);

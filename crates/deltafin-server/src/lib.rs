@@ -75,6 +75,9 @@ pub struct ServerConfig {
     /// Requests generated together in lockstep (the model needs as many sequence slots); 1: one
     /// at a time, with drafting and the kept-state cache.
     pub max_batch: usize,
+    /// Put the reasoning in `content` inside `<think>...</think>` (for clients that ignore
+    /// `reasoning_content`), instead of in `reasoning_content`.
+    pub reasoning_in_content: bool,
 }
 
 struct Ready {
@@ -321,6 +324,9 @@ struct Turn {
     prompt_len: usize,
     /// Ends the worker's generation after its current token (a stop string was found).
     stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Tools were declared: `tool_call` elements are parsed; inside, the text of a tag the
+    /// prompt opened for a required or named call.
+    tool_turn: Option<Option<Vec<u32>>>,
 }
 
 async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: bool) -> Response {
@@ -343,14 +349,27 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         Err(e) => return error(&s, e),
     };
     let model = ready.model.clone();
+    let mut tool_turn: Option<Option<Vec<u32>>> = None;
     let (prompt, stop_ids) = match &req.prompt {
-        Prompt::Chat { messages, reasoning_effort } => {
+        Prompt::Chat { messages, reasoning_effort, tools } => {
             let fmt = match model.chat() {
                 Ok(f) => f,
                 Err(e) => return error(&s, api_error(500, "server_error", e.to_string())),
             };
-            match fmt.render(messages, reasoning_effort.as_deref()) {
-                Ok(ids) => (ids, fmt.stop_ids()),
+            let turn_kind = tools.as_ref().map_or(deltafin::ToolTurn::Free, |t| t.choice.clone());
+            let declared = tools.as_ref().map(|t| t.declared.as_str());
+            match fmt.render_with_tools(messages, reasoning_effort.as_deref(), declared, &turn_kind) {
+                Ok(ids) => {
+                    if tools.is_some() {
+                        // A required or named call: the prompt ends inside the opened `tool_call`
+                        // tag, whose text so far the reply parser must know.
+                        let open = model.tokenizer().special("<|open|>");
+                        let prefill = (turn_kind != deltafin::ToolTurn::Free)
+                            .then(|| ids.iter().rposition(|&i| Some(i) == open).map(|at| ids[at + 1..].to_vec()).unwrap_or_default());
+                        tool_turn = Some(prefill);
+                    }
+                    (ids, fmt.stop_ids())
+                }
                 Err(e) => return error(&s, ApiError::bad("messages", e.to_string())),
             }
         }
@@ -414,6 +433,7 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         req,
         prompt_len: prompt.len(),
         stop,
+        tool_turn,
     };
     let guard = CancelOnDrop(cancel);
     s.metrics.status(200);
@@ -489,7 +509,7 @@ async fn whole_response(
     _guard: CancelOnDrop,
 ) -> Response {
     let tok = model.tokenizer();
-    let mut events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), turn.stop.clone());
+    let mut events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), turn.stop.clone(), turn.tool_turn.clone());
     let (mut content, mut reasoning) = (String::new(), String::new());
     let mut lps: Vec<TokenLogprob> = vec![];
     let mut prompt_lps: Vec<TokenLogprob> = vec![];
@@ -502,18 +522,22 @@ async fn whole_response(
         }
     };
     let mut finish = "stop";
-    // `done` stays None when a stop string cancelled the worker mid-step (no stats come).
+    // `done` stays None when the worker hung up before reporting.
     let mut done: Option<Box<Stats>> = None;
+    let mut calls = output::ToolCalls::new(&turn.id);
     while !events.done {
         let ev = rx.recv().await;
         for item in events.on_event(ev) {
             match item {
                 Item::Started => {}
-                Item::Token { id, logprob, parts } => {
+                Item::Token { id, logprob, parts, tools } => {
                     if let Some((lp, top)) = logprob {
                         lps.push((id, Some(lp), top));
                     }
                     add(parts, &mut content, &mut reasoning);
+                    for e in tools {
+                        calls.apply(&e);
+                    }
                 }
                 Item::Prompt(items) => prompt_lps.extend(items),
                 Item::Text(parts) => add(parts, &mut content, &mut reasoning),
@@ -526,10 +550,19 @@ async fn whole_response(
         }
     }
     let (generated, cached) = (events.generated, events.cached);
+    if s.cfg.reasoning_in_content && turn.chat && !reasoning.is_empty() {
+        content = format!("<think>{}</think>{content}", std::mem::take(&mut reasoning));
+    }
     let mut body = if turn.chat {
         let mut msg = json!({"role": "assistant", "content": content});
         if !reasoning.is_empty() {
             msg["reasoning_content"] = json!(reasoning);
+        }
+        if !calls.is_empty() {
+            msg["tool_calls"] = calls.to_json();
+            if content.is_empty() {
+                msg["content"] = Value::Null;
+            }
         }
         let logprobs = if turn.req.logprobs {
             json!({"content": lps.iter().map(|(i, l, t)| chat_logprob(tok, *i, l.unwrap_or(0.0), t)).collect::<Vec<_>>()})
@@ -569,7 +602,7 @@ fn stream_response(
     guard: CancelOnDrop,
 ) -> Response {
     let keep_alive = KeepAlive::new().interval(Duration::from_secs(s.cfg.keep_alive_s.max(1))).text("keep-alive");
-    let stream = async_stream(model, turn, rx, guard);
+    let stream = async_stream(s.cfg.reasoning_in_content, model, turn, rx, guard);
     Sse::new(stream).keep_alive(keep_alive).into_response()
 }
 
@@ -595,6 +628,31 @@ fn delta(turn: &Turn, part: Part, text: String) -> Value {
     }
 }
 
+/// With `reasoning_in_content`: reasoning goes into `content` between `<think>` and `</think>`.
+/// `open` tracks whether a `<think>` was written and not yet closed.
+fn fold_reasoning(parts: Vec<(Part, String)>, open: &mut bool, end: bool) -> Vec<(Part, String)> {
+    let mut out = Vec::new();
+    for (p, t) in parts {
+        match p {
+            Part::Reasoning if !*open => {
+                *open = true;
+                out.push((Part::Content, format!("<think>{t}")));
+            }
+            Part::Reasoning => out.push((Part::Content, t)),
+            Part::Content if *open => {
+                *open = false;
+                out.push((Part::Content, format!("</think>{t}")));
+            }
+            Part::Content => out.push((Part::Content, t)),
+        }
+    }
+    if end && *open {
+        *open = false;
+        out.push((Part::Content, "</think>".to_string()));
+    }
+    out
+}
+
 fn usage_chunk(turn: &Turn, generated: usize, cached: usize) -> Value {
     let object = if turn.chat { "chat.completion.chunk" } else { "text_completion" };
     json!({"id": turn.id, "object": object, "created": turn.created, "model": turn.model, "choices": [], "usage": usage(turn, generated, cached)})
@@ -616,6 +674,10 @@ struct StreamState {
     model: Arc<LoadedModel>,
     events: TurnEvents,
     queue: std::collections::VecDeque<Value>,
+    calls: output::ToolCalls,
+    /// Reasoning folded into content, and whether a `<think>` is open.
+    fold: bool,
+    think_open: bool,
 }
 
 impl StreamState {
@@ -630,17 +692,23 @@ impl StreamState {
                         self.queue.push_back(chunk(turn, json!({"role": "assistant", "content": ""}), Value::Null, None));
                     }
                 }
-                Item::Token { id, logprob, parts } => {
+                Item::Token { id, logprob, parts, tools } => {
                     let mut lp = match logprob {
                         Some((l, top)) if turn.chat => json!({"content": [chat_logprob(tok, id, l, &top)]}),
                         Some((l, top)) => completion_logprobs(tok, &[(id, Some(l), top)]),
                         None => Value::Null,
                     };
+                    let parts = if self.fold { fold_reasoning(parts, &mut self.think_open, false) } else { parts };
                     for (p, t) in parts {
                         self.queue.push_back(chunk(turn, delta(turn, p, t), std::mem::take(&mut lp), None));
                     }
+                    for e in tools {
+                        let d = self.calls.delta(&e);
+                        self.queue.push_back(chunk(turn, d, std::mem::take(&mut lp), None));
+                    }
                 }
                 Item::Text(parts) => {
+                    let parts = if self.fold { fold_reasoning(parts, &mut self.think_open, true) } else { parts };
                     for (p, t) in parts {
                         self.queue.push_back(chunk(turn, delta(turn, p, t), Value::Null, None));
                     }
@@ -667,13 +735,16 @@ impl StreamState {
 }
 
 fn async_stream(
+    fold: bool,
     model: Arc<LoadedModel>,
     turn: Turn,
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     guard: CancelOnDrop,
 ) -> impl futures_util::Stream<Item = Result<SseEvent, Infallible>> {
-    let events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), turn.stop.clone());
-    let state = StreamState { rx, _guard: guard, turn, model, events, queue: Default::default() };
+    let events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), turn.stop.clone(), turn.tool_turn.clone());
+    let calls = output::ToolCalls::new(&turn.id);
+    let fold = turn.chat && fold;
+    let state = StreamState { rx, _guard: guard, turn, model, events, queue: Default::default(), calls, fold, think_open: false };
     futures_util::stream::unfold((state, false), |(mut st, finished)| async move {
         loop {
             if let Some(v) = st.queue.pop_front() {

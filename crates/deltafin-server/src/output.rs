@@ -15,10 +15,25 @@ pub struct Splitter {
 }
 
 impl Splitter {
-    /// `chat`: the prompt opened the assistant's `think` element.
-    pub fn new(model: Arc<LoadedModel>, chat: bool, stops: Vec<String>) -> Splitter {
-        let inner = ReplySplitter::new(model.tokenizer(), chat, stops);
+    /// `chat`: the prompt opened the assistant's `think` element; `tools`: tools were declared
+    /// (`tool_call` elements are parsed), and the text of a `tool_call` tag the prompt opened.
+    pub fn new(model: Arc<LoadedModel>, chat: bool, stops: Vec<String>, tools: Option<Option<Vec<u32>>>) -> Splitter {
+        let mut inner = ReplySplitter::new(model.tokenizer(), chat, stops);
+        if let Some(prefill) = tools {
+            inner = inner.with_tools();
+            if let Some(ids) = prefill {
+                inner = inner.in_open_tag(ids);
+            }
+        }
         Splitter { model, inner }
+    }
+    /// Tool-call events since the last call.
+    pub fn take_tool_events(&mut self) -> Vec<deltafin::ToolEvent> {
+        self.inner.take_tool_events()
+    }
+    /// Whether the reply called a tool.
+    pub fn called_tools(&self) -> bool {
+        self.inner.tool_calls() > 0
     }
     /// Adds one id; returns the text pieces that became final.
     pub fn push(&mut self, id: u32) -> Vec<(Part, String)> {
@@ -31,6 +46,63 @@ impl Splitter {
     /// A stop string was found: nothing more is emitted.
     pub fn stopped(&self) -> bool {
         self.inner.stopped
+    }
+}
+
+/// The tool calls of a reply, in OpenAI's shape: each with its id (the model's, or one made from
+/// the response id), function name and arguments text.
+pub struct ToolCalls {
+    prefix: String,
+    calls: Vec<(String, String, String)>,
+}
+
+impl ToolCalls {
+    /// Calls of the response `response_id`.
+    pub fn new(response_id: &str) -> ToolCalls {
+        let tail = response_id.rsplit('-').next().unwrap_or(response_id);
+        ToolCalls { prefix: format!("call_{tail}"), calls: vec![] }
+    }
+
+    /// Adds one event.
+    pub fn apply(&mut self, e: &deltafin::ToolEvent) {
+        match e {
+            deltafin::ToolEvent::Start { index, id, name } => {
+                let id = id.clone().filter(|i| !i.is_empty()).unwrap_or_else(|| format!("{}_{index}", self.prefix));
+                self.calls.push((id, name.clone(), String::new()));
+            }
+            deltafin::ToolEvent::Args { index, text } => {
+                if let Some(c) = self.calls.get_mut(*index) {
+                    c.2.push_str(text);
+                }
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    /// `message.tool_calls`.
+    pub fn to_json(&self) -> Value {
+        Value::Array(
+            self.calls
+                .iter()
+                .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+                .collect(),
+        )
+    }
+
+    /// The stream delta of one event (the call opens with its id and name, then its arguments
+    /// arrive in pieces), recording it.
+    pub fn delta(&mut self, e: &deltafin::ToolEvent) -> Value {
+        self.apply(e);
+        match e {
+            deltafin::ToolEvent::Start { index, .. } => {
+                let (id, name, _) = &self.calls[*index];
+                json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]})
+            }
+            deltafin::ToolEvent::Args { index, text } => json!({"tool_calls": [{"index": index, "function": {"arguments": text}}]}),
+        }
     }
 }
 

@@ -34,10 +34,20 @@ pub enum Prompt {
     Chat {
         messages: Vec<Message>,
         reasoning_effort: Option<String>,
+        /// Declared tools (none when `tool_choice` is `none` or no tool was declared).
+        tools: Option<Tools>,
     },
     Text(String),
     /// A completions prompt given as token ids.
     Ids(Vec<u32>),
+}
+
+/// Tools declared by a chat request, and how the model must use them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tools {
+    /// The declarations as JSON text (the `tool-declare` system message).
+    pub declared: String,
+    pub choice: deltafin::ToolTurn,
 }
 
 /// A validated request.
@@ -73,15 +83,13 @@ const COMMON: &[&str] = &[
     "seed",
     "logprobs",
 ];
-const CHAT_ONLY: &[&str] = &["messages", "max_completion_tokens", "top_logprobs", "reasoning_effort", "store"];
+const CHAT_ONLY: &[&str] =
+    &["messages", "max_completion_tokens", "top_logprobs", "reasoning_effort", "store", "tools", "tool_choice", "parallel_tool_calls"];
 const COMPLETION_ONLY: &[&str] = &["prompt", "echo", "suffix", "best_of"];
 /// Fields the engine cannot honor exactly, with the reason given to the client.
 const REFUSED: &[(&str, &str)] = &[
-    ("tools", "tool calls are not supported yet"),
-    ("tool_choice", "tool calls are not supported yet"),
-    ("functions", "function calls are not supported"),
-    ("function_call", "function calls are not supported"),
-    ("parallel_tool_calls", "tool calls are not supported yet"),
+    ("functions", "the legacy `functions` field is not supported: declare them in `tools`"),
+    ("function_call", "the legacy `function_call` field is not supported: use `tool_choice`"),
     ("response_format", "structured output is not supported"),
     ("logit_bias", "logit_bias would change K3's greedy choice; it is not supported"),
     ("presence_penalty", "penalties would change K3's greedy choice; they are not supported"),
@@ -111,6 +119,9 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
                 return Err(ApiError::bad(k, format!("`{k}`: {why}")));
             }
             continue;
+        }
+        if !chat && ["tools", "tool_choice", "parallel_tool_calls"].contains(&k.as_str()) {
+            return Err(ApiError::bad(k, format!("`{k}` applies to /v1/chat/completions")));
         }
         let known =
             COMMON.contains(&k.as_str()) || if chat { CHAT_ONLY.contains(&k.as_str()) } else { COMPLETION_ONLY.contains(&k.as_str()) };
@@ -237,7 +248,7 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
     if echo && stream {
         return Err(ApiError::bad("echo", "`echo` cannot be streamed; leave out `stream`"));
     }
-    let prompt = if chat { parse_chat(obj)? } else { parse_text(obj)? };
+    let prompt = if chat { parse_chat(obj, parse_tools(obj)?)? } else { parse_text(obj)? };
     Ok(Request { prompt, max_tokens, max_tokens_given, stop, logprobs, top_logprobs, stream, include_usage, echo })
 }
 
@@ -268,7 +279,91 @@ fn parse_text_ids(a: &[Value]) -> Result<Prompt, ApiError> {
     }
 }
 
-fn parse_chat(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
+/// `tools`, `tool_choice` and `parallel_tool_calls`: `None` when no tool may be called.
+fn parse_tools(obj: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
+    let tools = match obj.get("tools") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Array(a)) => a.clone(),
+        Some(_) => return Err(ApiError::bad("tools", "`tools` must be a list of {\"type\": \"function\", \"function\": {...}}")),
+    };
+    let mut names = Vec::new();
+    for (i, t) in tools.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let f = t.get("function").filter(|_| t.get("type").and_then(Value::as_str) == Some("function"));
+        let name = f.and_then(|f| f.get("name")).and_then(Value::as_str).filter(|n| !n.is_empty());
+        match name {
+            Some(n) => names.push(n.to_string()),
+            None => return Err(ApiError::bad(&p, format!("`{p}` must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"))),
+        }
+    }
+    if let Some(v) = obj.get("parallel_tool_calls").filter(|v| !v.is_null()) {
+        match v.as_bool() {
+            Some(true) => {}
+            Some(false) => {
+                return Err(ApiError::bad(
+                    "parallel_tool_calls",
+                    "`parallel_tool_calls: false` is not supported: the model may call several tools in one turn",
+                ))
+            }
+            None => return Err(ApiError::bad("parallel_tool_calls", "`parallel_tool_calls` must be a boolean")),
+        }
+    }
+    let choice = match obj.get("tool_choice") {
+        None | Some(Value::Null) => "auto".to_string(),
+        Some(Value::String(s)) if ["auto", "none", "required"].contains(&s.as_str()) => s.clone(),
+        Some(v) => match v.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) {
+            Some(n) if v.get("type").and_then(Value::as_str) == Some("function") => format!("function:{n}"),
+            _ => {
+                return Err(ApiError::bad(
+                    "tool_choice",
+                    "`tool_choice` must be auto, none, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ))
+            }
+        },
+    };
+    if choice == "none" || (tools.is_empty() && choice == "auto") {
+        return Ok(None);
+    }
+    if tools.is_empty() {
+        return Err(ApiError::bad("tool_choice", format!("`tool_choice` {choice:?} needs `tools`")));
+    }
+    let turn = match choice.strip_prefix("function:") {
+        Some(n) if names.iter().any(|x| x == n) => deltafin::ToolTurn::Named(n.to_string()),
+        Some(n) => return Err(ApiError::bad("tool_choice", format!("`tool_choice` names {n:?}, which `tools` does not declare"))),
+        None if choice == "required" => deltafin::ToolTurn::Required,
+        None => deltafin::ToolTurn::Free,
+    };
+    let declared = serde_json::to_string(&tools).unwrap_or_default();
+    Ok(Some(Tools { declared, choice: turn }))
+}
+
+/// An assistant message's `tool_calls`.
+fn parse_tool_calls(p: &str, v: &Value) -> Result<Vec<deltafin::ToolCall>, ApiError> {
+    let bad = || {
+        ApiError::bad(
+            &format!("{p}.tool_calls"),
+            format!("`{p}.tool_calls` must be a list of {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"),
+        )
+    };
+    let Some(a) = v.as_array() else { return Err(bad()) };
+    a.iter()
+        .map(|c| {
+            let f = c.get("function").ok_or_else(bad)?;
+            let args = match f.get("arguments") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Null) | None => String::new(),
+                Some(other) => other.to_string(),
+            };
+            Ok(deltafin::ToolCall {
+                id: c.get("id").and_then(Value::as_str).unwrap_or_default().to_string(),
+                name: f.get("name").and_then(Value::as_str).ok_or_else(bad)?.to_string(),
+                arguments: args,
+            })
+        })
+        .collect()
+}
+
+fn parse_chat(obj: &Map<String, Value>, tools: Option<Tools>) -> Result<Prompt, ApiError> {
     let msgs = obj.get("messages").and_then(Value::as_array).ok_or_else(|| ApiError::bad("messages", "`messages` must be a list"))?;
     if msgs.is_empty() {
         return Err(ApiError::bad("messages", "`messages` is empty"));
@@ -278,7 +373,7 @@ fn parse_chat(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
         let p = format!("messages[{i}]");
         let m = m.as_object().ok_or_else(|| ApiError::bad(&p, format!("`{p}` must be an object")))?;
         for k in m.keys() {
-            if !["role", "content", "name", "reasoning_content"].contains(&k.as_str()) {
+            if !["role", "content", "name", "reasoning_content", "tool_calls", "tool_call_id"].contains(&k.as_str()) {
                 return Err(ApiError::bad(&format!("{p}.{k}"), format!("`{p}.{k}` is not supported")));
             }
         }
@@ -286,8 +381,8 @@ fn parse_chat(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
             Some("system") | Some("developer") => Role::System,
             Some("user") => Role::User,
             Some("assistant") => Role::Assistant,
-            Some("tool") => return Err(ApiError::bad(&format!("{p}.role"), "tool messages need tool calls, which are not supported yet")),
-            _ => return Err(ApiError::bad(&format!("{p}.role"), format!("`{p}.role` must be system, developer, user or assistant"))),
+            Some("tool") => Role::Tool,
+            _ => return Err(ApiError::bad(&format!("{p}.role"), format!("`{p}.role` must be system, developer, user, assistant or tool"))),
         };
         let content = match m.get("content") {
             Some(Value::String(s)) => s.clone(),
@@ -311,6 +406,23 @@ fn parse_chat(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
         };
         let mut msg = Message::new(role, content);
         msg.reasoning = m.get("reasoning_content").and_then(Value::as_str).map(str::to_string);
+        if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+            if role != Role::Assistant {
+                return Err(ApiError::bad(&format!("{p}.tool_calls"), "only assistant messages carry `tool_calls`"));
+            }
+            msg.tool_calls = parse_tool_calls(&p, calls)?;
+        }
+        if role == Role::Tool {
+            match m.get("tool_call_id").and_then(Value::as_str) {
+                Some(id) => msg.tool_call_id = Some(id.to_string()),
+                None => {
+                    return Err(ApiError::bad(
+                        &format!("{p}.tool_call_id"),
+                        format!("`{p}.tool_call_id` names the call a tool message answers"),
+                    ))
+                }
+            }
+        }
         out.push(msg);
     }
     let reasoning_effort = match obj.get("reasoning_effort") {
@@ -322,7 +434,7 @@ fn parse_chat(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
         },
         Some(_) => return Err(ApiError::bad("reasoning_effort", "`reasoning_effort` must be a string")),
     };
-    Ok(Prompt::Chat { messages: out, reasoning_effort })
+    Ok(Prompt::Chat { messages: out, reasoning_effort, tools })
 }
 
 #[cfg(test)]
@@ -366,7 +478,9 @@ mod tests {
     fn refuses_what_it_cannot_honor_naming_the_field() {
         let cases = [
             (r#"{"messages":[{"role":"user","content":"hi"}],"n":2}"#, "n"),
-            (r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}"#, "tools"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}"#, "tools[0]"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"tool_choice":"required"}"#, "tool_choice"),
+            (r#"{"messages":[{"role":"tool","content":"18C"}]}"#, "messages[0].tool_call_id"),
             (r#"{"messages":[{"role":"user","content":"hi"}],"frequency_penalty":0.5}"#, "frequency_penalty"),
             (r#"{"messages":[{"role":"user","content":"hi"}],"logit_bias":{"1":5}}"#, "logit_bias"),
             (r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#, "messages[0].content[0]"),

@@ -16,7 +16,7 @@ pub enum Item {
     Started,
     /// A generated token (`id`, its logprob and top alternatives if asked) and the text that
     /// became final with it.
-    Token { id: u32, logprob: Option<(f32, Vec<(u32, f32)>)>, parts: Vec<(Part, String)> },
+    Token { id: u32, logprob: Option<(f32, Vec<(u32, f32)>)>, parts: Vec<(Part, String)>, tools: Vec<deltafin::ToolEvent> },
     /// Prompt tokens with their logprobs (`echo` with `logprobs`).
     Prompt(Vec<crate::worker::PromptLogprob>),
     /// Text held back until the end (a possible stop string that was not one).
@@ -44,8 +44,14 @@ pub struct TurnEvents {
 impl TurnEvents {
     /// `chat`: the prompt opened the assistant's `think` element; `stops`: the request's stop
     /// strings; `stop` tells the worker to end after its current token once one is found.
-    pub fn new(model: Arc<LoadedModel>, chat: bool, stops: Vec<String>, stop: Arc<AtomicBool>) -> TurnEvents {
-        TurnEvents { split: Splitter::new(model, chat, stops), stop, stopping: false, generated: 0, cached: 0, done: false }
+    pub fn new(
+        model: Arc<LoadedModel>,
+        chat: bool,
+        stops: Vec<String>,
+        stop: Arc<AtomicBool>,
+        tools: Option<Option<Vec<u32>>>,
+    ) -> TurnEvents {
+        TurnEvents { split: Splitter::new(model, chat, stops, tools), stop, stopping: false, generated: 0, cached: 0, done: false }
     }
 
     /// The items one worker event gives (`None`: the worker hung up).
@@ -68,12 +74,17 @@ impl TurnEvents {
                     self.stop.store(true, Ordering::Release);
                     self.stopping = true;
                 }
-                vec![Item::Token { id, logprob: logprob.map(|l| (l, top)), parts }]
+                let tools = self.split.take_tool_events();
+                vec![Item::Token { id, logprob: logprob.map(|l| (l, top)), parts, tools }]
             }
             Some(Event::Done { stats, cached_tokens, hit_stop_id }) => {
                 self.cached = cached_tokens;
                 self.done = true;
-                let reason = if hit_stop_id || self.stopping { "stop" } else { "length" };
+                let reason = match (hit_stop_id || self.stopping, self.split.called_tools()) {
+                    (true, true) => "tool_calls",
+                    (true, false) => "stop",
+                    _ => "length",
+                };
                 vec![Item::Text(self.split.finish()), Item::Finished { reason, stats: Some(stats) }]
             }
             Some(Event::PromptLogprobs(items)) => vec![Item::Prompt(items)],

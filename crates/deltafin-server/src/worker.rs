@@ -132,6 +132,8 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, metric
                         while !b.is_idle() {
                             b.step(&mut |e: BatchEvent<'_>| on_batch_event(e, &mut jobs, &metrics));
                         }
+                    } else if let Ok(text) = std::env::var("DELTAFIN_REPLAY_REPLY") {
+                        replay(&model, &job, &text)
                     } else {
                         run(&mut generator, job, &metrics)
                     }
@@ -296,6 +298,29 @@ fn run_batched(model: &LoadedModel, max_batch: usize, rx: &mpsc::Receiver<Job>, 
 }
 
 /// Fault injection for the test that a panicking generation leaves the server up.
+/// Test hook for what no random model emits (tool calls): `DELTAFIN_REPLAY_REPLY` is a recorded
+/// reply, text with control tokens by name, sent as if generated (no engine run, zero stats), so
+/// the server's parsing and streaming of it can be tested with real clients.
+fn replay(model: &LoadedModel, job: &Job, text: &str) {
+    let ids = model.tokenizer().encode_with_specials(text);
+    let _ = job.events.send(Event::Started { cached_tokens: 0 });
+    let mut last = None;
+    for &id in ids.iter().take(job.max_tokens) {
+        last = Some(id);
+        if job.events.send(Event::Token { id, logprob: None, top: vec![] }).is_err()
+            || job.stop.load(Ordering::Acquire)
+            || job.stop_ids.contains(&id)
+        {
+            break;
+        }
+    }
+    let mut stats = Stats::default();
+    stats.prompt_tokens = job.prompt.len();
+    stats.generated_tokens = ids.len().min(job.max_tokens);
+    let hit_stop_id = last.is_some_and(|id| job.stop_ids.contains(&id));
+    let _ = job.events.send(Event::Done { stats: Box::new(stats), cached_tokens: 0, hit_stop_id });
+}
+
 fn fault_panic<'p>(mut prompts: impl Iterator<Item = &'p [u32]>) {
     if let Some(id) = std::env::var("DELTAFIN_FAULT_PANIC_ON_TOKEN").ok().and_then(|v| v.parse::<u32>().ok()) {
         if prompts.any(|p| p.contains(&id)) {

@@ -32,7 +32,7 @@ use std::path::Path;
 
 pub use deltafin_core::{
     reserved_token_name, Backend, ChatFormat, Cpu, Isa, IsaKind, Mat, Message, ReplyPart, ReplySplitter, Role, StreamDecoder, Tokenizer,
-    RESERVED,
+    ToolCall, ToolEvent, ToolTurn, RESERVED,
 };
 pub use deltafin_sched::{
     argmax, model_sizes, BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, CacheMode, CachePolicy, Cancel, ComputeRates, DraftWith,
