@@ -1,6 +1,7 @@
 //! `deltafin`: the command-line front end over the `deltafin-sched` API.
 
 mod batch;
+mod chat;
 mod plan;
 mod run;
 mod serve;
@@ -31,7 +32,7 @@ enum Cmd {
     /// Serve an OpenAI-compatible API (loopback by default).
     Serve(serve::ServeArgs),
     /// Chat in the terminal (streaming, history, Ctrl-C stops a reply).
-    Chat(serve::ChatArgs),
+    Chat(chat::ChatArgs),
     /// Run an OpenAI Batch API file (JSONL) to completion, requests in lockstep; resumable.
     Batch(batch::BatchArgs),
     /// Fetch into a stream store every expert a workload's prompts route, ahead of the workload.
@@ -48,7 +49,7 @@ fn main() {
         Cmd::Setup(a) => store_cmds::run_setup(a),
         Cmd::Doctor(a) => store_cmds::run_doctor(a),
         Cmd::Serve(a) => serve::run_serve(a),
-        Cmd::Chat(a) => serve::run_chat(a),
+        Cmd::Chat(a) => chat::run_chat(a),
         Cmd::Batch(a) => batch::run_batch(a),
         Cmd::Warm(a) => warm::run_warm(a),
         Cmd::Plan(a) => plan::run_plan(a),

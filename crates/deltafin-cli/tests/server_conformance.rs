@@ -289,3 +289,40 @@ fn reasoning_is_apart_by_default_and_folded_into_content_when_asked() {
         }
     }
 }
+
+/// Runs a client script against a server replaying [`TOOL_REPLY`], if its runtime and package
+/// are installed (`.ci/run` installs them); `check` is the import that must succeed first.
+fn run_client(program: &str, check: &[&str], script: &str, setup_hint: &str) {
+    let has = Command::new(program).args(check).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !has {
+        eprintln!("SKIPPED: {setup_hint}; .ci/run installs it");
+        return;
+    }
+    let s = start_env(&[], &[("DELTAFIN_REPLAY_REPLY", TOOL_REPLY)]);
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(script);
+    let out = Command::new(program).arg(script).arg(format!("http://127.0.0.1:{}/v1", s.port)).output().unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ok"));
+}
+
+#[test]
+fn the_official_node_client_exercises_models_chat_streams_tools_and_errors() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/node");
+    let check = format!("{}/node_modules/openai/package.json", dir.display());
+    let has = std::path::Path::new(&check).exists();
+    if !has {
+        eprintln!("SKIPPED: the `openai` npm package is not installed (npm ci --prefix {}); .ci/run installs it", dir.display());
+        return;
+    }
+    run_client("node", &["--version"], "tests/node/client.mjs", "node is not installed");
+}
+
+#[test]
+fn langchain_openai_binds_tools_invokes_and_streams() {
+    run_client(
+        "python3",
+        &["-c", "import langchain_openai"],
+        "tests/langchain_client.py",
+        "langchain-openai is not installed (pip install langchain-openai)",
+    );
+}

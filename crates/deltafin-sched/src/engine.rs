@@ -458,9 +458,10 @@ pub struct GenerateOptions {
     pub draft_gate: bool,
 }
 
-/// A shared flag that stops a generation.
+/// A shared flag that stops a generation, and a count of the layers it has walked (checked and
+/// counted between layers, so a front end can show a long prompt's progress and stop it).
 #[derive(Clone, Debug, Default)]
-pub struct Cancel(Arc<std::sync::atomic::AtomicBool>);
+pub struct Cancel(Arc<std::sync::atomic::AtomicBool>, Arc<std::sync::atomic::AtomicU64>);
 
 impl Cancel {
     /// A fresh, unset flag.
@@ -474,6 +475,15 @@ impl Cancel {
     /// Whether the flag is set.
     pub fn is_cancelled(&self) -> bool {
         self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+    /// Layers walked so far by the steps that carried this flag (each step walks every layer).
+    pub fn layers_walked(&self) -> u64 {
+        self.1.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Checks the flag between layers, counting the layer about to run.
+    pub(crate) fn check_layer(&self) -> bool {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.is_cancelled()
     }
 }
 

@@ -167,7 +167,7 @@ impl Engine {
         let spine = self.spine();
         let _pass = spine.map(|s| s.pass());
         for l in 0..cfg.num_layers {
-            if cancel.is_some_and(Cancel::is_cancelled) {
+            if cancel.is_some_and(Cancel::check_layer) {
                 return Err(Error::Cancelled);
             }
             if let Some(s) = spine {
