@@ -326,3 +326,31 @@ fn langchain_openai_binds_tools_invokes_and_streams() {
         "langchain-openai is not installed (pip install langchain-openai)",
     );
 }
+
+#[test]
+fn a_client_gone_during_its_prompt_is_counted_as_cancelled() {
+    let s = start(&["--context", "4096"]);
+    let long = "numbers and boats ".repeat(560);
+    let body = json!({"prompt": long, "max_tokens": 200}).to_string();
+    let mut c = TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    write!(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len())
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(150));
+    drop(c);
+    let t0 = Instant::now();
+    loop {
+        let (_, _, text) = s.request("GET", "/metrics", None, &[]).unwrap();
+        let value = |name: &str| text.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).map(|v| v.trim().to_string());
+        if value("deltafin_cancelled_total").as_deref() == Some("1") {
+            assert_eq!(value("deltafin_generations_total").as_deref(), Some("0"), "{text}");
+            assert_eq!(
+                value("deltafin_requests_total{status=\"200\"}").as_deref(),
+                Some("0"),
+                "a request that never answered is not a 200: {text}"
+            );
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the disconnect was not counted: {text}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

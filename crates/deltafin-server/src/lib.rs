@@ -436,8 +436,9 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         tool_turn,
     };
     let guard = CancelOnDrop(cancel);
-    s.metrics.status(200);
     if turn.req.stream {
+        // A stream's status is sent now, whatever follows.
+        s.metrics.status(200);
         stream_response(s, model, turn, rx, guard)
     } else {
         whole_response(s, model, turn, rx, guard).await
@@ -591,6 +592,7 @@ async fn whole_response(
         body["timings"] = timings(stats, cached);
     }
     log_done(&turn, finish, generated, done.as_deref());
+    s.metrics.status(200);
     Json(body).into_response()
 }
 

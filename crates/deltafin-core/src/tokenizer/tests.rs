@@ -59,6 +59,25 @@ fn streaming_decoder_holds_partial_utf8() {
     assert_eq!(text, "café 🙂 ok");
 }
 
+#[test]
+fn reserved_and_control_tokens_never_appear_in_text() {
+    let tok = Tokenizer::from_tiktoken(RANKS, Some(TOKCFG), K3_PATTERN).unwrap();
+    let mut ids = tok.encode_ordinary("ab");
+    let specials: Vec<u32> = (tok.bpe_len()..tok.vocab_len()).map(|i| i as u32).filter(|&i| tok.is_special(i)).collect();
+    assert!(specials.len() > 2);
+    ids.splice(1..1, specials.iter().copied());
+    let mut s = tok.stream();
+    let text: String = ids.iter().map(|&i| s.push(i)).collect::<String>() + &s.finish();
+    assert_eq!(text, "ab");
+    let mut split = crate::reply::ReplySplitter::new(&tok, false, vec![]);
+    let mut text = String::new();
+    for &i in &ids {
+        text.extend(split.push(&tok, i).into_iter().map(|(_, t)| t));
+    }
+    text.extend(split.finish().into_iter().map(|(_, t)| t));
+    assert_eq!(text, "ab", "completions text carries no reserved token");
+}
+
 /// The o200k rank file shipped inside the `tiktoken-rs` crate, found through `cargo metadata`.
 fn o200k_file() -> std::path::PathBuf {
     let out = std::process::Command::new(env!("CARGO"))
