@@ -151,3 +151,21 @@ fn a_failing_drive_of_a_striped_store_is_named_with_what_it_held() {
     let err = fails(bin().args(["run", "--model"]).arg(&store).args(["--prompt", "x"]));
     assert!(err.contains("no readable copy") && err.contains(&b.display().to_string()), "{err}");
 }
+
+#[test]
+fn a_store_made_round_robin_is_kept_by_following_the_refusal_literally() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let homes = home_args(tmp.path(), &[("a", "", "100M/s"), ("b", "", "100M/s")]);
+    let mut rr = homes.clone();
+    rr.extend(["--placement".to_string(), "round-robin".to_string()]);
+    ok(&mut setup(&fixture(), &store, &rr));
+    // The same homes without --placement now mean striped: refused, with the command that keeps it.
+    let err = fails(&mut setup(&fixture(), &store, &homes));
+    let cmd = err.split('`').nth(1).unwrap_or_else(|| panic!("no command in {err}"));
+    let mut words = cmd.split_whitespace();
+    assert_eq!(words.next(), Some("deltafin"));
+    ok(bin().args(words));
+    assert_eq!(Manifest::read(&store).unwrap().setup.placement, "round-robin");
+    assert_eq!(run_ids(&store), REFERENCE_GREEDY);
+}

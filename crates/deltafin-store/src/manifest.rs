@@ -164,7 +164,9 @@ impl SetupRecord {
         if self.copies != 1 {
             c.push_str(&format!(" --copies {}", self.copies));
         }
-        if self.placement != "round-robin" {
+        // Over several homes the default placement depends on the arguments (striped with one
+        // copy): name it, so the command reproduces this store whatever the default.
+        if self.homes.len() > 1 || self.placement != "round-robin" {
             c.push_str(&format!(" --placement {}", self.placement));
         }
         c
