@@ -378,6 +378,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         "batch",
         "stream",
         "k3",
+        "kernels",
         "ladder",
         "ladder-reader",
         "ab",

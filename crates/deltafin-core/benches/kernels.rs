@@ -1,0 +1,178 @@
+//! The compute kernels on K3's real shapes beside the machine's own limits, measured here:
+//! FMA peak (independent fused multiply-adds on every core, the ISA's widest vectors) and DRAM
+//! read bandwidth (a 1 GiB sum on every core); then an MXFP4 expert matrix (w1: 3072 x 3584)
+//! and a BF16 matrix of the same shape at n = 1, 8, 64, 512 token rows on the engine's
+//! row-parallel split, and a 7168 x 7168 BF16 GEMV from DRAM. Throughput is in elements =
+//! FLOPs (bytes for the bandwidth case), so criterion's `thrpt` reads as GFLOP/s;
+//! `cargo xtask bench kernels` turns the estimates into fractions of the measured peaks.
+//!
+//! `cargo bench -p deltafin-core --bench kernels`
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use deltafin_core::{dot_f32, dot_mxfp4_inputs, matmul_bf16_with, permute_for_mxfp4, Bf16Matrix, Bytes, Isa, IsaKind, Mat};
+use rayon::prelude::*;
+
+const ROWS: usize = 3072;
+const COLS: usize = 3584;
+
+fn bytes(n: usize, seed: u64, lo: u8, span: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            lo + (x % span) as u8
+        })
+        .collect()
+}
+
+fn floats(n: usize, seed: u64) -> Vec<f32> {
+    bytes(n, seed, 0, 200).iter().map(|&b| b as f32 / 100.0 - 1.0).collect()
+}
+
+/// FMAs in flight per thread: enough independent chains to cover the FMA latency on two ports.
+const CHAINS: usize = 12;
+const FMA_ITERS: usize = 1 << 20;
+
+/// One thread's FMA loop on `isa`'s widest vectors; returns FLOPs done.
+fn fma_loop(isa: Isa) -> f64 {
+    match isa.kind() {
+        #[cfg(target_arch = "x86_64")]
+        IsaKind::Avx512 => {
+            // SAFETY: AVX-512 was detected (Isa::new checks it).
+            unsafe { x86::fma512() }
+        }
+        #[cfg(target_arch = "x86_64")]
+        IsaKind::Avx2 => {
+            // SAFETY: AVX2 + FMA were detected.
+            unsafe { x86::fma256() }
+        }
+        _ => {
+            let mut acc = [1.0f32; CHAINS];
+            for _ in 0..FMA_ITERS {
+                for a in acc.iter_mut() {
+                    *a = black_box(*a).mul_add(0.999_999, 1e-7);
+                }
+            }
+            black_box(acc);
+            (2 * CHAINS * FMA_ITERS) as f64
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{black_box, CHAINS, FMA_ITERS};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma512() -> f64 {
+        let (m, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+        let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+        for _ in 0..FMA_ITERS {
+            for a in acc.iter_mut() {
+                *a = _mm512_fmadd_ps(*a, m, c);
+            }
+        }
+        black_box(acc);
+        (2 * 16 * CHAINS * FMA_ITERS) as f64
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma256() -> f64 {
+        let (m, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+        let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+        for _ in 0..FMA_ITERS {
+            for a in acc.iter_mut() {
+                *a = _mm256_fmadd_ps(*a, m, c);
+            }
+        }
+        black_box(acc);
+        (2 * 8 * CHAINS * FMA_ITERS) as f64
+    }
+}
+
+fn isas() -> Vec<Isa> {
+    // The best ISA, and AVX2 too where the best is AVX-512 (machines here differ).
+    let mut v = vec![Isa::best()];
+    if Isa::best().kind() == IsaKind::Avx512 {
+        v.extend(Isa::new(IsaKind::Avx2));
+    }
+    v
+}
+
+fn bench(c: &mut Criterion) {
+    let threads = rayon::current_num_threads();
+    let mut g = c.benchmark_group("limits");
+    g.sample_size(10);
+    for isa in isas() {
+        let flops = fma_loop(isa) * threads as f64;
+        g.throughput(Throughput::Elements(flops as u64));
+        g.bench_function(BenchmarkId::new("fma peak", format!("{:?}", isa.kind())), |b| {
+            b.iter(|| (0..threads).into_par_iter().map(|_| fma_loop(isa)).sum::<f64>())
+        });
+    }
+    // A dot of a 1 GiB array with itself on the widest vectors: each byte is read once, and
+    // the FMAs are far from the compute limit, so the loop is bound by the reads.
+    let big: Vec<f32> = floats(1 << 28, 7);
+    let isa = Isa::best();
+    g.throughput(Throughput::Bytes((big.len() * 4) as u64));
+    g.bench_function("dram read", |b| b.iter(|| big.par_chunks(1 << 16).map(|c| dot_f32(isa, c, c)).sum::<f32>()));
+    drop(big);
+    g.finish();
+
+    let packed = bytes(ROWS * COLS / 2, 3, 0, 256);
+    let scales = bytes(ROWS * COLS / 32, 5, 110, 30);
+    let bf16 = Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(ROWS * COLS, 9)), ROWS, COLS);
+    let mut g = c.benchmark_group("k3 shapes");
+    g.sample_size(10);
+    for isa in isas() {
+        let name = format!("{:?}", isa.kind());
+        for n in [1usize, 8, 64, 512] {
+            let flops = (2 * n * ROWS * COLS) as u64;
+            g.throughput(Throughput::Elements(flops));
+            let xs: Vec<Vec<f32>> = (0..n).map(|t| permute_for_mxfp4(&floats(COLS, 11 + t as u64))).collect();
+            let refs: Vec<&[f32]> = xs.iter().map(|x| &x[..]).collect();
+            g.bench_function(BenchmarkId::new(format!("mxfp4 {name}"), n), |b| {
+                b.iter(|| {
+                    // The engine's split (`expert_forward`): blocks of 32 rows in parallel, each
+                    // walking the inputs 32 at a time, in eights.
+                    let mut out = vec![0f32; ROWS * n];
+                    out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| {
+                        for tile in (0..n).step_by(32) {
+                            let end = (tile + 32).min(n);
+                            for (i, o) in o.chunks_mut(n).enumerate() {
+                                let r = 32 * b + i;
+                                let (p, s) = (&packed[r * COLS / 2..(r + 1) * COLS / 2], &scales[r * COLS / 32..(r + 1) * COLS / 32]);
+                                for (x, o) in refs[tile..end].chunks(8).zip(o[tile..end].chunks_mut(8)) {
+                                    dot_mxfp4_inputs(isa, x, p, s, o);
+                                }
+                            }
+                        }
+                    });
+                    out
+                })
+            });
+            let x = Mat::from_vec(n, COLS, floats(n * COLS, 13));
+            g.bench_function(BenchmarkId::new(format!("bf16 {name}"), n), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
+        }
+        // A GEMV whose 103 MB matrix comes from DRAM every time.
+        let d = 7168;
+        let gemv = Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(d * d, 17)), d, d);
+        let x = Mat::from_vec(1, d, floats(d, 19));
+        g.throughput(Throughput::Bytes((d * d * 2) as u64));
+        g.bench_function(BenchmarkId::new(format!("bf16 gemv 7168 {name}"), 1), |b| b.iter(|| matmul_bf16_with(isa, &x, &gemv)));
+    }
+    g.finish();
+}
+
+/// BF16 bytes of small finite values.
+fn bf16_bytes(n: usize, seed: u64) -> Vec<u8> {
+    floats(n, seed).iter().flat_map(|f| ((f.to_bits() >> 16) as u16).to_le_bytes()).collect()
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
