@@ -5,24 +5,15 @@
 //!
 //! `cargo bench -p deltafin-core --bench expert_kernel`
 
+mod common;
+
+use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{dot_mxfp4, dot_mxfp4_inputs, permute_for_mxfp4, Isa};
 use rayon::prelude::*;
 
 const ROWS: usize = 2 * 3072 + 3584;
 const COLS: usize = 3584;
-
-fn bytes(n: usize, seed: u64, lo: u8, span: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            lo + (x % span) as u8
-        })
-        .collect()
-}
 
 fn bench(c: &mut Criterion) {
     let packed = bytes(ROWS * COLS / 2, 3, 0, 256);

@@ -10,24 +10,15 @@
 
 use std::hint::black_box;
 
+mod common;
+
+use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{dot_f32, dot_mxfp4_inputs, matmul_bf16_with, permute_for_mxfp4, Bf16Matrix, Bytes, Isa, IsaKind, Mat};
 use rayon::prelude::*;
 
 const ROWS: usize = 3072;
 const COLS: usize = 3584;
-
-fn bytes(n: usize, seed: u64, lo: u8, span: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            lo + (x % span) as u8
-        })
-        .collect()
-}
 
 fn floats(n: usize, seed: u64) -> Vec<f32> {
     bytes(n, seed, 0, 200).iter().map(|&b| b as f32 / 100.0 - 1.0).collect()
