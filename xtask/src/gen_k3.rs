@@ -607,8 +607,9 @@ fn o200k_prefix(n: usize) -> Result<String> {
     Ok(lines.join("\n") + "\n")
 }
 
-fn tokenizer_config(p: &Preset) -> Value {
-    let n = p.bpe_ranks;
+/// K3's `tokenizer_config.json` for a rank file of `n` BPE ranks: its special tokens at the
+/// reserved ids right after them.
+pub fn tokenizer_config(n: usize) -> Value {
     let mut added = serde_json::Map::new();
     for off in 0..deltafin_core::RESERVED {
         let name = deltafin_core::reserved_token_name(off, n);
@@ -627,7 +628,7 @@ fn tokenizer_config(p: &Preset) -> Value {
     })
 }
 
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path)?;
@@ -720,7 +721,7 @@ pub fn generate_with(preset: &str, seed: u64, out: &Path, sparse: bool) -> Resul
         &serde_json::to_vec_pretty(&json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?,
     )?;
     write_atomic(&out.join("tiktoken.model"), o200k_prefix(p.bpe_ranks)?.as_bytes())?;
-    write_atomic(&out.join("tokenizer_config.json"), &serde_json::to_vec_pretty(&tokenizer_config(&p))?)?;
+    write_atomic(&out.join("tokenizer_config.json"), &serde_json::to_vec_pretty(&tokenizer_config(p.bpe_ranks))?)?;
     write_atomic(
         &out.join("generation_config.json"),
         &serde_json::to_vec_pretty(&json!({"bos_token_id": p.bpe_ranks, "eos_token_id": p.bpe_ranks + 2, "do_sample": false}))?,

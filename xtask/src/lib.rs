@@ -8,3 +8,4 @@ pub mod gen_k3;
 pub mod gen_qwen3;
 pub mod hub_emulator;
 pub mod oracle;
+pub mod train_tokenizer;

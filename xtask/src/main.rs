@@ -28,6 +28,22 @@ enum Cmd {
         #[arg(long)]
         sparse: bool,
     },
+    /// Train the tiny trained K3's byte-level BPE on the corpus (training/corpus.sh) and write it
+    /// as K3 ships its tokenizer (tiktoken ranks + tokenizer_config.json with K3's specials).
+    TrainTokenizer {
+        /// The corpus folder training/corpus.sh wrote.
+        #[arg(long, default_value = "models/corpus")]
+        corpus: PathBuf,
+        /// BPE ranks, the 256 bytes included.
+        #[arg(long, default_value_t = 8192)]
+        ranks: usize,
+        /// How many times the fiction is counted (it is a third of the docs' size; prose should
+        /// shape the merges as much as reST and code).
+        #[arg(long, default_value_t = 2)]
+        fiction_weight: usize,
+        #[arg(long, default_value = "training/tokenizer")]
+        out: PathBuf,
+    },
     /// Write a small Qwen3-architecture draft checkpoint (Hugging Face layout, real tokenizer).
     GenQwen3 {
         #[arg(long, default_value_t = 0)]
@@ -98,6 +114,11 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::GenK3 { preset, seed, out, sparse } => xtask::gen_k3::generate_with(&preset, seed, &out, sparse),
+        Cmd::TrainTokenizer { corpus, ranks, fiction_weight, out } => {
+            let mut files = vec![corpus.join("lit.txt"); fiction_weight.max(1)];
+            files.push(corpus.join("tech.txt"));
+            xtask::train_tokenizer::train(&files, ranks, &out)
+        }
         Cmd::GenQwen3 { seed, vocab_from, out } => xtask::gen_qwen3::generate(seed, vocab_from.as_deref(), &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
         Cmd::Bench { which, quick, json, limiter, base } => xtask::bench::run(which, quick, json.as_deref(), limiter, base.as_deref()),
