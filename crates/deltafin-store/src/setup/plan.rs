@@ -94,7 +94,8 @@ pub(crate) fn drive_facts(
                     Some(r) => *r,
                     None => {
                         eprintln!("deltafin setup: measuring the read rate of {} (state it as --home PATH::RATE to skip)", h.display());
-                        let r = probe_rate(h)?;
+                        // A home not made yet is probed where it will live (its file system).
+                        let r = probe_rate(&existing(h))?;
                         probed.insert(devs[i], r);
                         r
                     }
