@@ -38,8 +38,10 @@ pub fn demo(prompt: &str, max_new: usize, budget: &str) -> Result<()> {
     let (d0, d1) = (models.join("drive0"), models.join("drive1"));
     std::fs::create_dir_all(&d0)?;
     std::fs::create_dir_all(&d1)?;
+    // The demo's store is the demo's own: one an older version made with other defaults (a
+    // placement since changed) is replaced, not refused; one of this plan is resumed or checked.
     run(Command::new(&bin)
-        .args(["setup", "--full", "--from"])
+        .args(["setup", "--full", "--reinstall", "--from"])
         .arg(&ckpt)
         .arg("--out")
         .arg(&store)
