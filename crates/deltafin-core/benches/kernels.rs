@@ -2,7 +2,8 @@
 //! FMA peak (independent fused multiply-adds on every core, the ISA's widest vectors) and DRAM
 //! read bandwidth (a 1 GiB sum on every core); then an MXFP4 expert matrix (w1: 3072 x 3584)
 //! and a BF16 matrix of the same shape at n = 1, 8, 64, 512 token rows on the engine's
-//! row-parallel split, and a 7168 x 7168 BF16 GEMV from DRAM. Throughput is in elements =
+//! row-parallel split (at n = 512 also the split before token tiling, as a baseline in the same
+//! run), and a 7168 x 7168 BF16 GEMV from DRAM. Throughput is in elements =
 //! FLOPs (bytes for the bandwidth case), so criterion's `thrpt` reads as GFLOP/s;
 //! `cargo xtask bench kernels` turns the estimates into fractions of the measured peaks.
 //!
@@ -14,7 +15,7 @@ mod common;
 
 use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use deltafin_core::{dot_f32, dot_mxfp4_inputs, matmul_bf16_with, permute_for_mxfp4, Bf16Matrix, Bytes, Isa, IsaKind, Mat};
+use deltafin_core::{dot_bf16, dot_f32, dot_mxfp4_inputs, matmul_bf16_with, permute_for_mxfp4, Bf16Matrix, Bytes, Isa, IsaKind, Mat};
 use rayon::prelude::*;
 
 const ROWS: usize = 3072;
@@ -149,6 +150,33 @@ fn bench(c: &mut Criterion) {
             });
             let x = Mat::from_vec(n, COLS, floats(n * COLS, 13));
             g.bench_function(BenchmarkId::new(format!("bf16 {name}"), n), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
+            if n == 512 {
+                // The baseline, in the same run: the split before token tiling, each weight row
+                // walking every token row (the same dots, in the same order).
+                g.bench_function(BenchmarkId::new(format!("mxfp4 untiled {name}"), n), |b| {
+                    b.iter(|| {
+                        let mut out = vec![0f32; ROWS * n];
+                        out.par_chunks_mut(n).with_min_len(32).enumerate().for_each(|(r, o)| {
+                            let (p, s) = (&packed[r * COLS / 2..(r + 1) * COLS / 2], &scales[r * COLS / 32..(r + 1) * COLS / 32]);
+                            for (x, o) in refs.chunks(8).zip(o.chunks_mut(8)) {
+                                dot_mxfp4_inputs(isa, x, p, s, o);
+                            }
+                        });
+                        out
+                    })
+                });
+                g.bench_function(BenchmarkId::new(format!("bf16 untiled {name}"), n), |b| {
+                    b.iter(|| {
+                        let mut out = vec![0f32; ROWS * n];
+                        out.par_chunks_mut(n).with_min_len(32).enumerate().for_each(|(r, o)| {
+                            for (t, o) in o.iter_mut().enumerate() {
+                                *o = dot_bf16(isa, x.row(t), bf16.row(r));
+                            }
+                        });
+                        out
+                    })
+                });
+            }
         }
         // A GEMV whose 103 MB matrix comes from DRAM every time.
         let d = 7168;

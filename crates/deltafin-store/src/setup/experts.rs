@@ -43,16 +43,12 @@ struct LayerSidecar {
 pub(super) fn install(plan: &Install, kind: ExpertLayoutKind, progress: &dyn Progress) -> Result<(Vec<RecordLayout>, Vec<ExpertEntry>)> {
     let cfg = plan.ckpt.config();
     let moe = cfg.moe_layers();
+    // Striped and weighted layouts hold one copy of every byte (their `copies` is 1).
     let copies = match kind {
         ExpertLayoutKind::InPlace => 1,
-        ExpertLayoutKind::Packs => plan.record.copies,
+        ExpertLayoutKind::Packs => plan.layout.copies,
     };
     let per_layer = cfg.expert_shape().total_bytes() as u64 * (cfg.num_experts * copies) as u64;
-    let per_layer = if kind == ExpertLayoutKind::Packs && plan.layout.placement != super::Placement::RoundRobin {
-        cfg.expert_shape().total_bytes() as u64 * cfg.num_experts as u64
-    } else {
-        per_layer
-    };
     progress.begin("experts", per_layer * moe.len() as u64);
     let mut layouts = Vec::new();
     let mut entries = Vec::new();
@@ -179,9 +175,7 @@ pub(super) fn write_layer_packs(
     let sizes_match =
         (0..n).all(|h| existing[h].as_ref().is_some_and(|s| std::fs::metadata(&paths[h]).map(|m| m.len()).ok() == Some(s.bytes)));
     // The checksum each home's sidecar records for the whole of expert `e`.
-    let whole_sum = |s: &LayerSidecar, e: usize| -> Option<String> {
-        s.whole.get(&e).cloned().or_else(|| s.experts.get(&e).filter(|_| !s.whole.contains_key(&e)).map(|x| x.2.clone()))
-    };
+    let whole_sum = |s: &LayerSidecar, e: usize| -> Option<String> { s.whole.get(&e).or_else(|| s.experts.get(&e).map(|x| &x.2)).cloned() };
     // Every home must agree on each expert's checksum (the same checkpoint bytes).
     let agree = (0..count).all(|e| {
         let sums: Vec<String> = existing.iter().flatten().filter_map(|s| whole_sum(s, e)).collect();

@@ -105,14 +105,23 @@ impl Layout {
         }
     }
 
+    /// Bytes of layer `l`'s pack on each home (aligned as packed), for experts of `len` bytes.
+    pub fn layer_bytes(&self, l: usize, len: u64) -> Vec<u64> {
+        let mut out = vec![0u64; self.homes];
+        for e in 0..self.experts {
+            for s in self.slots(l, e, len) {
+                out[s.home] += align_up(s.len);
+            }
+        }
+        out
+    }
+
     /// Expert bytes each home holds (aligned as packed), for experts of `len` bytes.
     pub fn bytes_per_home(&self, len: u64) -> Vec<u64> {
         let mut out = vec![0u64; self.homes];
         for &l in self.layer_pos.keys() {
-            for e in 0..self.experts {
-                for s in self.slots(l, e, len) {
-                    out[s.home] += align_up(s.len);
-                }
+            for (o, b) in out.iter_mut().zip(self.layer_bytes(l, len)) {
+                *o += b;
             }
         }
         out

@@ -109,7 +109,7 @@ pub(crate) fn drive_facts(
 }
 
 /// `p`, or its nearest ancestor that exists (a home not made yet lives on that file system).
-fn existing(p: &Path) -> PathBuf {
+pub(crate) fn existing(p: &Path) -> PathBuf {
     p.ancestors().find(|a| a.exists()).unwrap_or(Path::new("/")).to_path_buf()
 }
 
@@ -228,14 +228,9 @@ pub fn plan_layout(opts: &SetupOptions) -> Result<LayoutPlan> {
 
 /// Bytes of a store's expert packs on each file system (freed as a rebalance moves them).
 pub(crate) fn held_by_device(m: &crate::manifest::Manifest) -> BTreeMap<u64, u64> {
-    let mut files: BTreeMap<PathBuf, ()> = BTreeMap::new();
-    for e in &m.experts {
-        for c in &e.copies {
-            files.insert(m.copy_path(c), ());
-        }
-    }
+    let files: std::collections::BTreeSet<PathBuf> = m.experts.iter().flat_map(|e| e.copies.iter().map(|c| m.copy_path(c))).collect();
     let mut out = BTreeMap::new();
-    for p in files.keys() {
+    for p in &files {
         if let Ok(md) = std::fs::metadata(p) {
             if p.components().any(|c| c.as_os_str() == PACKS_DIR) {
                 *out.entry(md.dev()).or_default() += md.len();

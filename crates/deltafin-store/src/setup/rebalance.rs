@@ -137,9 +137,7 @@ pub(super) fn rebalance(opts: &SetupOptions, progress: &dyn Progress) -> Result<
         let entries = write_layer_packs(&target, l, cfg.num_experts, len, &fetch, progress)?;
         // The new packs of this layer are sealed: the old ones can go.
         let new_files: BTreeSet<PathBuf> = entries.iter().flat_map(|e| e.copies.iter().map(|c| homes[c.home].join(&c.file))).collect();
-        let old_files: BTreeSet<PathBuf> =
-            old.experts.iter().filter(|e| e.layer == l).flat_map(|e| e.copies.iter().map(|c| old.copy_path(c))).collect();
-        for f in old_files.difference(&new_files) {
+        for f in old_packs(&old, l).difference(&new_files) {
             super::remove_if_present(f)?;
             super::remove_if_present(&PathBuf::from(format!("{}.json", f.display())))?;
         }
@@ -234,44 +232,47 @@ impl OldCopies<'_> {
 fn check_space(old: &Manifest, layout: &Layout, homes: &[PathBuf], new_dirs: &[PathBuf], cfg: &deltafin_core::K3Config) -> Result<()> {
     let len = cfg.expert_shape().total_bytes() as u64;
     let dev = |p: &Path| -> Result<u64> {
-        let existing = p.ancestors().find(|a| a.exists()).unwrap_or(Path::new("/"));
-        Ok(std::fs::metadata(existing).map_err(Error::io(existing))?.dev())
+        let at = plan::existing(p);
+        Ok(std::fs::metadata(&at).map_err(Error::io(&at))?.dev())
     };
-    let mut excess: BTreeMap<u64, (PathBuf, i128, i128)> = BTreeMap::new();
+    /// One file system: a folder on it, bytes added so far less bytes freed, and the peak.
+    struct Fs {
+        path: PathBuf,
+        running: i128,
+        peak: i128,
+    }
+    let mut by_dev: BTreeMap<u64, Fs> = BTreeMap::new();
     for l in cfg.moe_layers() {
-        let mut new_bytes = vec![0u64; homes.len()];
-        for e in 0..cfg.num_experts {
-            for s in layout.slots(l, e, len) {
-                new_bytes[s.home] += crate::manifest::align_up(s.len);
-            }
+        // This layer's new packs (not yet in place) are written, then its old packs go.
+        let mut added: BTreeMap<u64, (PathBuf, i128)> = BTreeMap::new();
+        for (h, b) in layout.layer_bytes(l, len).into_iter().enumerate() {
+            let have = std::fs::metadata(new_dirs[h].join(format!("L{l:03}.pack"))).map(|m| m.len()).ok();
+            added.entry(dev(&homes[h])?).or_insert((homes[h].clone(), 0)).1 += if have == Some(b) { 0 } else { b as i128 };
         }
-        let mut step: BTreeMap<u64, (PathBuf, i128, i128)> = BTreeMap::new();
-        for (h, b) in new_bytes.into_iter().enumerate() {
-            let path = new_dirs[h].join(format!("L{l:03}.pack"));
-            let have = std::fs::metadata(&path).map(|m| m.len()).ok();
-            let add = if have == Some(b) { 0 } else { b } as i128;
-            step.entry(dev(&homes[h])?).or_insert((homes[h].clone(), 0, 0)).1 += add;
-        }
-        let old_files: BTreeSet<PathBuf> =
-            old.experts.iter().filter(|e| e.layer == l).flat_map(|e| e.copies.iter().map(|c| old.copy_path(c))).collect();
-        for f in old_files {
+        let mut freed: BTreeMap<u64, i128> = BTreeMap::new();
+        for f in old_packs(old, l) {
             if let Ok(md) = std::fs::metadata(&f) {
-                step.entry(md.dev()).or_insert((f.clone(), 0, 0)).2 += md.len() as i128;
+                *freed.entry(md.dev()).or_default() += md.len() as i128;
+                added.entry(md.dev()).or_insert((f, 0));
             }
         }
-        for (d, (p, add, free)) in step {
-            let x = excess.entry(d).or_insert((p, 0, 0));
-            // Running total before this layer's old packs go, and the peak so far.
-            let now = x.1 + add;
-            x.2 = x.2.max(now);
-            x.1 = now - free;
+        for (d, (path, add)) in added {
+            let fs = by_dev.entry(d).or_insert(Fs { path, running: 0, peak: 0 });
+            fs.running += add;
+            fs.peak = fs.peak.max(fs.running);
+            fs.running -= freed.get(&d).copied().unwrap_or(0);
         }
     }
-    for (path, _, peak) in excess.into_values() {
-        let free = super::space::free_bytes(path.ancestors().find(|a| a.exists()).unwrap_or(Path::new("/")))?;
-        if peak > free as i128 {
-            return Err(Error::NoSpace { path, need: peak as u64, free });
+    for fs in by_dev.into_values() {
+        let free = super::space::free_bytes(&plan::existing(&fs.path))?;
+        if fs.peak > free as i128 {
+            return Err(Error::NoSpace { path: fs.path, need: fs.peak as u64, free });
         }
     }
     Ok(())
+}
+
+/// The pack files of layer `l` in the store as it was.
+fn old_packs(old: &Manifest, l: usize) -> BTreeSet<PathBuf> {
+    old.experts.iter().filter(|e| e.layer == l).flat_map(|e| e.copies.iter().map(|c| old.copy_path(c))).collect()
 }

@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 
 use super::{spine::spine_file_bytes, Install, PACKS_DIR};
 use crate::error::{Error, Result};
-use crate::manifest::align_up;
 
 /// Bytes free to an unprivileged writer on the filesystem holding `dir`.
 pub fn free_bytes(dir: &Path) -> Result<u64> {
@@ -31,16 +30,9 @@ pub fn free_bytes(dir: &Path) -> Result<u64> {
 pub(super) fn check(plan: &Install) -> Result<()> {
     let cfg = plan.ckpt.config();
     let mut files: Vec<(PathBuf, u64)> = vec![(plan.out.join("spine.bin"), spine_file_bytes(plan.ckpt))];
-    let n = plan.homes.len();
     let len = cfg.expert_shape().total_bytes() as u64;
     for l in cfg.moe_layers() {
-        let mut bytes = vec![0u64; n];
-        for e in 0..cfg.num_experts {
-            for s in plan.layout.slots(l, e, len) {
-                bytes[s.home] += align_up(s.len);
-            }
-        }
-        for (h, b) in bytes.into_iter().enumerate() {
+        for (h, b) in plan.layout.layer_bytes(l, len).into_iter().enumerate() {
             files.push((plan.homes[h].join(PACKS_DIR).join(&plan.pack_dirs[h]).join(format!("L{l:03}.pack")), b));
         }
     }
