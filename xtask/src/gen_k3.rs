@@ -647,6 +647,27 @@ pub fn generate_with(preset: &str, seed: u64, out: &Path, sparse: bool) -> Resul
     if p.name == "k3" && !sparse {
         bail!("the k3 preset is 1.56 TB of weights: write it with --sparse (every weight zero, almost no disk)");
     }
+    let values = if sparse { Values::Sparse } else { Values::Seeded(seed) };
+    write_release(&p, values, &o200k_prefix(p.bpe_ranks)?, out)
+}
+
+/// Where a written checkpoint's weights come from.
+pub enum Values<'a> {
+    /// Drawn from per-tensor streams of this seed.
+    Seeded(u64),
+    /// Zeros left unwritten (holes in sparse files).
+    Sparse,
+    /// Trained tensors by release name, each `(dtype, shape, bytes)`, checked against the
+    /// layout; tensors the release has but training does not (the vision tower stand-in) are
+    /// drawn from seed 0.
+    Trained(&'a crate::gen_qwen3::Trained),
+}
+
+/// Writes `p`'s checkpoint in the release layout into `out`: shards, index, `ranks` as the
+/// tiktoken rank file with K3's specials after them, and the configs.
+pub fn write_release(p: &Preset, values: Values<'_>, ranks: &str, out: &Path) -> Result<()> {
+    let p = p.clone();
+    let sparse = matches!(values, Values::Sparse);
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     // Pack tensor groups into shards of about `shard_bytes`, never splitting a group (an expert's
     // six records stay together).
@@ -709,7 +730,11 @@ pub fn generate_with(preset: &str, seed: u64, out: &Path, sparse: bool) -> Resul
             continue;
         }
         for s in shard {
-            write_values(s, seed, &mut w)?;
+            match (&values, trained_bytes(&values, s)?) {
+                (_, Some(bytes)) => w.write_all(bytes)?,
+                (Values::Seeded(seed), None) => write_values(s, *seed, &mut w)?,
+                _ => write_values(s, 0, &mut w)?,
+            }
             bar.inc(s.bytes());
         }
         w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
@@ -720,7 +745,7 @@ pub fn generate_with(preset: &str, seed: u64, out: &Path, sparse: bool) -> Resul
         &out.join("model.safetensors.index.json"),
         &serde_json::to_vec_pretty(&json!({"metadata": {"total_size": total}, "weight_map": weight_map}))?,
     )?;
-    write_atomic(&out.join("tiktoken.model"), o200k_prefix(p.bpe_ranks)?.as_bytes())?;
+    write_atomic(&out.join("tiktoken.model"), ranks.as_bytes())?;
     write_atomic(&out.join("tokenizer_config.json"), &serde_json::to_vec_pretty(&tokenizer_config(p.bpe_ranks))?)?;
     write_atomic(
         &out.join("generation_config.json"),
@@ -731,6 +756,27 @@ pub fn generate_with(preset: &str, seed: u64, out: &Path, sparse: bool) -> Resul
         eprintln!("wrote {} ({} shards, {:.1} MB) to {}", p.name, count, total as f64 / 1e6, out.display());
     }
     Ok(())
+}
+
+/// A trained tensor's bytes for `spec`, checked to have its release dtype and shape; `None`
+/// where the values are not trained ones (or the tensor is not one training makes).
+fn trained_bytes<'a>(values: &'a Values<'_>, spec: &Spec) -> Result<Option<&'a [u8]>> {
+    let Values::Trained(t) = values else { return Ok(None) };
+    let Some((dtype, shape, bytes)) = t.get(&spec.name) else {
+        if spec.name.starts_with("language_model.") {
+            bail!("the trained tensors lack {} ({} {:?})", spec.name, spec.dtype, spec.shape);
+        }
+        return Ok(None);
+    };
+    if dtype != spec.dtype || shape != &spec.shape || bytes.len() as u64 != spec.bytes() {
+        bail!("trained {} is {dtype} {shape:?}; the release layout has {} {:?}", spec.name, spec.dtype, spec.shape);
+    }
+    Ok(Some(bytes))
+}
+
+/// The release names of every tensor `p` has (trained exports are checked against these).
+pub fn tensor_names(p: &Preset) -> Vec<String> {
+    specs(p).into_iter().flatten().map(|s| s.name).collect()
 }
 
 /// Library callers (tests) generate silently.

@@ -40,8 +40,14 @@ pub const TINY: Shape = Shape { hidden: 64, layers: 2, heads: 4, kv_heads: 2, he
 /// Writes a draft checkpoint into `out`. `vocab_from`: a K3 checkpoint whose vocabulary the
 /// draft shares (else Qwen3's own).
 pub fn generate(seed: u64, vocab_from: Option<&Path>, out: &Path) -> Result<()> {
+    write_draft(&TINY, seed, None, vocab_from, out)
+}
+
+/// Writes a draft of shape `s` into `out`, its weights `trained` (Hugging Face names, BF16) or
+/// else drawn from `seed`.
+pub fn write_draft(s: &Shape, seed: u64, trained: Option<&Trained>, vocab_from: Option<&Path>, out: &Path) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let s = TINY;
+    let s = s.clone();
     let (tokenizer, vocab) = match vocab_from {
         None => {
             let path = qwen3_tokenizer_path();
@@ -51,13 +57,18 @@ pub fn generate(seed: u64, vocab_from: Option<&Path>, out: &Path) -> Result<()> 
         }
         Some(k3) => k3_tokenizer_json(k3)?,
     };
+    // Qwen3's own specials, or K3's [BOS] / <|end_of_msg|> right after its ranks.
+    let (bos, eos) = match vocab_from {
+        None => (151_643, 151_645),
+        Some(_) => (vocab - deltafin_core::RESERVED, vocab - deltafin_core::RESERVED + 2),
+    };
     let config = json!({
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "attention_bias": false,
         "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
         "head_dim": s.head_dim,
         "hidden_act": "silu",
         "hidden_size": s.hidden,
@@ -99,11 +110,14 @@ pub fn generate(seed: u64, vocab_from: Option<&Path>, out: &Path) -> Result<()> 
         ]);
     }
     tensors.push(("model.norm.weight".into(), vec![s.hidden], Init::Norm));
-    write_safetensors(&out.join("model.safetensors"), seed, &tensors)?;
+    write_safetensors(&out.join("model.safetensors"), seed, trained, &tensors)?;
     write_atomic(&out.join("config.json"), serde_json::to_string_pretty(&config)?.as_bytes())?;
     write_atomic(&out.join("tokenizer.json"), &tokenizer)?;
     write_atomic(&out.join("tokenizer_config.json"), br#"{"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 131072}"#)?;
-    write_atomic(&out.join("generation_config.json"), br#"{"do_sample": false, "bos_token_id": 151643, "eos_token_id": 151645}"#)?;
+    write_atomic(
+        &out.join("generation_config.json"),
+        serde_json::to_string(&json!({"do_sample": false, "bos_token_id": bos, "eos_token_id": eos}))?.as_bytes(),
+    )?;
     Ok(())
 }
 
@@ -114,7 +128,10 @@ enum Init {
     Norm,
 }
 
-fn write_safetensors(path: &Path, seed: u64, tensors: &[(String, Vec<usize>, Init)]) -> Result<()> {
+/// Trained tensors by name: `(dtype, shape, bytes)`.
+pub type Trained = std::collections::HashMap<String, (String, Vec<usize>, Vec<u8>)>;
+
+fn write_safetensors(path: &Path, seed: u64, trained: Option<&Trained>, tensors: &[(String, Vec<usize>, Init)]) -> Result<()> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
     for (name, shape, _) in tensors {
@@ -132,6 +149,14 @@ fn write_safetensors(path: &Path, seed: u64, tensors: &[(String, Vec<usize>, Ini
     f.write_all(&(h.len() as u64).to_le_bytes())?;
     f.write_all(&h)?;
     for (name, shape, init) in tensors {
+        if let Some(t) = trained {
+            let (dtype, tshape, bytes) = t.get(name).with_context(|| format!("the trained draft lacks {name}"))?;
+            if dtype != "BF16" || tshape != shape {
+                bail!("trained {name} is {dtype} {tshape:?}; the draft has BF16 {shape:?}");
+            }
+            f.write_all(bytes)?;
+            continue;
+        }
         let mut rng = Rng::for_tensor(seed, name);
         for _ in 0..shape.iter().product::<usize>() {
             let x = match init {

@@ -9,3 +9,4 @@ pub mod gen_qwen3;
 pub mod hub_emulator;
 pub mod oracle;
 pub mod train_tokenizer;
+pub mod trained;

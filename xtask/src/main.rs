@@ -44,6 +44,23 @@ enum Cmd {
         #[arg(long, default_value = "training/tokenizer")]
         out: PathBuf,
     },
+    /// Tokenize the corpus (training/corpus.sh) with training/tokenizer into the uint16 token
+    /// files training/train.py reads.
+    TokenizeCorpus {
+        #[arg(long, default_value = "models/corpus")]
+        corpus: PathBuf,
+        #[arg(long, default_value = "models/tokens")]
+        out: PathBuf,
+    },
+    /// Write what training/train.py produced (for --model k3 and --model draft) as the release
+    /// layouts: the K3 exactly as moonshotai/Kimi-K3, the draft as a Hugging Face Qwen3.
+    ExportTrained {
+        /// The folder train.py wrote (--out).
+        #[arg(long)]
+        from: PathBuf,
+        #[arg(long, default_value = "training/models")]
+        out: PathBuf,
+    },
     /// Write a small Qwen3-architecture draft checkpoint (Hugging Face layout, real tokenizer).
     GenQwen3 {
         #[arg(long, default_value_t = 0)]
@@ -119,6 +136,8 @@ fn main() -> Result<()> {
             files.push(corpus.join("tech.txt"));
             xtask::train_tokenizer::train(&files, ranks, &out)
         }
+        Cmd::TokenizeCorpus { corpus, out } => xtask::trained::tokenize_corpus(&corpus, &out),
+        Cmd::ExportTrained { from, out } => xtask::trained::export(&from, &out),
         Cmd::GenQwen3 { seed, vocab_from, out } => xtask::gen_qwen3::generate(seed, vocab_from.as_deref(), &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
         Cmd::Bench { which, quick, json, limiter, base } => xtask::bench::run(which, quick, json.as_deref(), limiter, base.as_deref()),
