@@ -72,14 +72,16 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// The built-in demo: generate a small model, install it over two drives, stream it.
+    /// The built-in demo: install the committed tiny trained K3 over two drives and generate
+    /// with its draft, streaming experts.
     Demo {
-        #[arg(long, default_value = "Deltafin streams experts from SSDs, and")]
+        #[arg(long, default_value = "It was a bright cold morning, and")]
         prompt: String,
-        #[arg(long, default_value_t = 32)]
+        #[arg(long, default_value_t = 96)]
         max_new: usize,
-        /// RAM budget (well below the model's 187 MB of experts plus its spine).
-        #[arg(long, default_value = "320M")]
+        /// RAM budget: the spine, the draft and working memory, and an expert cache of about a
+        /// quarter of the model's 8.4 MB of experts.
+        #[arg(long, default_value = "66M")]
         ram_budget: String,
     },
     /// Benchmarks on generated slice models; updates docs/BENCHMARKS.md.

@@ -15,6 +15,7 @@ mod ladder;
 mod spec;
 mod stream;
 mod svg;
+mod trained;
 
 pub use ladder::Limiter;
 
@@ -39,6 +40,9 @@ pub enum Which {
     Stream,
     /// The real K3's full layout (sparse): startup phases and the plan's projection.
     K3,
+    /// The tiny trained K3 beside a random model of its shape: routing skew, cache and
+    /// prefetch, prefill, speculation with the trained draft.
+    Trained,
     /// This tree against `--base REV` (not part of `all`).
     Ab,
     All,
@@ -301,6 +305,9 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         md += &spec::run("slice-hot", &hot_store, &hot_ckpt, budget, quick)?;
         std::fs::write(bench_dir.join("spec.md"), md)?;
     }
+    if matches!(which, Which::Trained | Which::All) {
+        std::fs::write(bench_dir.join("trained.md"), trained::run(quick)?)?;
+    }
     if matches!(which, Which::Ladder | Which::All) {
         let (ckpt, _) = ensure_model("slice-mini")?;
         let bin = build_cli()?;
@@ -375,6 +382,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         "decode-runs",
         "prefill",
         "spec",
+        "trained",
         "batch",
         "stream",
         "k3",

@@ -29,6 +29,7 @@ enum Kind {
     Oracle,
     Random,
     RandomFixed,
+    DraftFixed,
 }
 
 impl Kind {
@@ -40,6 +41,7 @@ impl Kind {
             Kind::Oracle => "oracle (always right)",
             Kind::Random => "random (always wrong)",
             Kind::RandomFixed => "random, gate off (4 every step)",
+            Kind::DraftFixed => "draft model, gate off (4 every step)",
         }
     }
 }
@@ -61,11 +63,11 @@ pub struct SpecResult {
 fn run_one(model: &LoadedModel, kind: Kind, prompt: &[u32], new: usize, plain: &[u32]) -> Result<(Vec<u32>, Stats)> {
     let mut seq = model.new_sequence();
     let mut ids = Vec::new();
-    let fixed = kind == Kind::RandomFixed;
+    let fixed = matches!(kind, Kind::RandomFixed | Kind::DraftFixed);
     let opts = GenerateOptions::new(new).draft_max(4).draft_gate(!fixed);
     let mut drafter: Option<Box<dyn Drafter + Send>> = match kind {
         Kind::Plain => None,
-        Kind::Ngram | Kind::DraftModel => model.drafter(),
+        Kind::Ngram | Kind::DraftModel | Kind::DraftFixed => model.drafter(),
         Kind::Oracle => {
             let mut script = prompt.to_vec();
             script.extend_from_slice(plain);
@@ -106,15 +108,22 @@ fn union_ratio(model: &LoadedModel, prompt: &[u32], ids: &[u32]) -> Result<f64> 
 /// Runs every configuration `rounds` times, round-robin, on the store of `preset`; returns the
 /// markdown section.
 pub fn run(preset: &str, store: &Path, ckpt: &Path, budget: u64, quick: bool) -> Result<String> {
-    let (new, rounds) = if quick { (24, 2) } else { (96, 3) };
     let draft_dir = super::root().join(format!("models/{preset}-draft"));
     if !draft_dir.join("config.json").exists() {
         crate::gen_qwen3::generate(0, Some(ckpt), &draft_dir)?;
     }
+    run_with(preset, store, &draft_dir, None, budget, quick)
+}
+
+/// As [`run`] with a given draft model and, instead of the repeat-this-passage prompt, `text`
+/// (a prompt to continue: what a trained pair drafts on).
+pub fn run_with(preset: &str, store: &Path, draft_dir: &Path, text: Option<&str>, budget: u64, quick: bool) -> Result<String> {
+    let (new, rounds) = if quick { (24, 2) } else { (96, 3) };
+    let draft_dir = draft_dir.to_path_buf();
     let open = |kind: Kind| {
         let draft = match kind {
             Kind::Ngram => Some(DraftWith::Ngram),
-            Kind::DraftModel => Some(DraftWith::Model(draft_dir.clone())),
+            Kind::DraftModel | Kind::DraftFixed => Some(DraftWith::Model(draft_dir.clone())),
             _ => None,
         };
         EngineBuilder::new(store).ram_budget(Some(budget)).context(512).draft(draft).open()
@@ -122,13 +131,21 @@ pub fn run(preset: &str, store: &Path, ckpt: &Path, budget: u64, quick: bool) ->
     let prompt = {
         let m = open(Kind::Plain)?;
         let tok = m.tokenizer();
-        tok.encode_ordinary(&format!("Repeat this passage word for word.\n\n{PASSAGE}\n\nRepeated:\n\n{PASSAGE}\n\nAgain:\n\n"))
+        match text {
+            Some(t) => tok.encode_ordinary(t),
+            None => {
+                tok.encode_ordinary(&format!("Repeat this passage word for word.\n\n{PASSAGE}\n\nRepeated:\n\n{PASSAGE}\n\nAgain:\n\n"))
+            }
+        }
     };
     // The reference ids (and the oracle's script) from one plain run first.
     let (plain_ids, _) = run_one(&open(Kind::Plain)?, Kind::Plain, &prompt, new, &[])?;
     let ratio = union_ratio(&open(Kind::Plain)?, &prompt, &plain_ids)?;
     eprintln!("spec {preset}: a 5-row verify routes {ratio:.2} of 5 single rows' expert bytes");
-    let mut results: Vec<SpecResult> = KINDS
+    // A trained pair's drafts can be right: also measure the draft model at a fixed length,
+    // whatever the gate would choose, so its acceptance is on record.
+    let kinds: Vec<Kind> = KINDS.iter().copied().chain(text.map(|_| Kind::DraftFixed)).collect();
+    let mut results: Vec<SpecResult> = kinds
         .iter()
         .map(|&kind| SpecResult { kind, tok_s: vec![], ratio: vec![], bytes_per_token: vec![], last: Stats::default(), ids_equal: true })
         .collect();
@@ -159,13 +176,17 @@ pub fn run(preset: &str, store: &Path, ckpt: &Path, budget: u64, quick: bool) ->
     let median = |v: &[f64]| spread(v).1;
     let plain_bpt = median(&results[0].bytes_per_token);
     let mut md = format!(
-        "### `{preset}`\n\n`cargo xtask bench spec{}` — `{preset}` store, RAM budget {:.1} GB, the disk uncapped. Routing overlap: a 5-row verify routes **{:.2}x** the expert bytes of 5 separate rows ({:.2} extra expert reads per extra row, against 1 row's; WARP measured 0.39 on real text). A {}-token prompt that asks to repeat a passage, {new} new tokens; {rounds} rounds, each running every configuration once on a freshly opened model (configurations round-robin); *vs plain* is tok/s over plain's in the same round. The live cost gate picks each step's draft length (up to 4, 0 included) unless noted. Every run's ids equal plain decoding's (checked). *Bytes bound* = plain MB/token over the configuration's MB/token: the speed-up if expert reads were all that mattered.\n\n| drafter | tok/s min / median / max | vs plain min / median / max | MB per emitted token | bytes bound | acceptance | tokens per verify | verifies (probes) | verify union MB | drafting s |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "### `{preset}`\n\n`cargo xtask bench {}{}` — `{preset}` store, RAM budget {:.1} GB, the disk uncapped. Routing overlap: a 5-row verify routes **{:.2}x** the expert bytes of 5 separate rows ({:.2} extra expert reads per extra row, against 1 row's; WARP measured 0.39 on real text). A {}-token prompt {}, {new} new tokens; {rounds} rounds, each running every configuration once on a freshly opened model (configurations round-robin); *vs plain* is tok/s over plain's in the same round. The live cost gate picks each step's draft length (up to 4, 0 included) unless noted. Every run's ids equal plain decoding's (checked). *Bytes bound* = plain MB/token over the configuration's MB/token: the speed-up if expert reads were all that mattered.\n\n| drafter | tok/s min / median / max | vs plain min / median / max | MB per emitted token | bytes bound | acceptance | tokens per verify | verifies (probes) | verify union MB | drafting s |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        if text.is_some() { "trained" } else { "spec" },
         if quick { " --quick" } else { "" },
         budget as f64 / 1e9,
         ratio,
         (5.0 * ratio - 1.0) / 4.0,
         prompt.len(),
+        if text.is_some() { "of prose to continue" } else { "that asks to repeat a passage" },
     );
+    // Megabytes to whole numbers at K3's expert size, to hundredths for small experts.
+    let prec = if plain_bpt > 1e8 { 0 } else { 2 };
     for r in &results {
         let (a, b, c) = spread(&r.tok_s);
         let (ra, rb, rc) = spread(&r.ratio);
@@ -173,14 +194,14 @@ pub fn run(preset: &str, store: &Path, ckpt: &Path, budget: u64, quick: bool) ->
         let bpt = median(&r.bytes_per_token);
         writeln!(
             md,
-            "| {} | {a:.2} / {b:.2} / {c:.2} | {ra:.3}x / {rb:.3}x / {rc:.3}x | {:.0} | {:.2}x | {} | {} | {} | {} | {:.3} |",
+            "| {} | {a:.2} / {b:.2} / {c:.2} | {ra:.3}x / {rb:.3}x / {rc:.3}x | {:.prec$} | {:.2}x | {} | {} | {} | {} | {:.3} |",
             r.kind.label(),
             bpt / 1e6,
             plain_bpt / bpt.max(1.0),
             if s.drafted > 0 { format!("{:.0}%", 100.0 * s.acceptance_rate()) } else { "-".into() },
             if s.verifies > 0 { format!("{:.2}", s.tokens_per_verify()) } else { "-".into() },
             if r.kind == Kind::Plain { "-".into() } else { format!("{} ({})", s.verifies, s.draft_probes) },
-            if s.verifies > 0 { format!("{:.0}", s.verify_union_bytes_mean() / 1e6) } else { "-".into() },
+            if s.verifies > 0 { format!("{:.prec$}", s.verify_union_bytes_mean() / 1e6) } else { "-".into() },
             s.draft_s,
         )?;
     }
