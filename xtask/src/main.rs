@@ -127,6 +127,9 @@ enum Cmd {
         /// Instead: reference logits for the `gen-qwen3` drafts from mlx-lm's `qwen3`.
         #[arg(long)]
         qwen3: bool,
+        /// Instead: mlx-lm's logits on the committed trained K3 and draft (training/models).
+        #[arg(long)]
+        trained: bool,
     },
 }
 
@@ -156,8 +159,10 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Oracle { seeds, tokens, qwen3 } => {
-            if qwen3 {
+        Cmd::Oracle { seeds, tokens, qwen3, trained } => {
+            if trained {
+                xtask::oracle::run_trained()
+            } else if qwen3 {
                 xtask::oracle::run_qwen3()
             } else {
                 xtask::oracle::run(&seeds, tokens)

@@ -102,3 +102,34 @@ pub fn run_qwen3() -> Result<()> {
     eprintln!("wrote {} fixtures to {}", QWEN3_DRAFTS.len(), dir.display());
     Ok(())
 }
+
+/// mlx-lm's logits on the committed trained pair (`training/models`), over the token ids the
+/// trainer's reference holds: `reference/k3-mlx.safetensors` and `reference/draft-mlx.json`.
+pub fn run_trained() -> Result<()> {
+    let models = crate::trained::models_dir();
+    let ids = |model: &str| -> Result<String> {
+        let bytes = std::fs::read(models.join(format!("reference/{model}.safetensors")))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes)?;
+        let t = st.tensor("token_ids")?;
+        Ok(t.data().chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")).to_string()).collect::<Vec<_>>().join(","))
+    };
+    let oracle = Path::new(env!("CARGO_MANIFEST_DIR")).join("oracle");
+    let k3 = Command::new("python3")
+        .arg(oracle.join("mlx_k3_logits.py"))
+        .arg(models.join("k3"))
+        .arg(models.join("reference/k3-mlx.safetensors"))
+        .arg(ids("k3")?)
+        .status()
+        .context("running python3 (is mlx-lm installed?)")?;
+    let draft = Command::new("python3")
+        .arg(oracle.join("mlx_qwen3_logits.py"))
+        .arg(models.join("draft"))
+        .arg(ids("draft")?)
+        .arg(models.join("reference/draft-mlx.json"))
+        .status()
+        .context("running python3 (is mlx-lm installed?)")?;
+    if !k3.success() || !draft.success() {
+        bail!("the mlx-lm oracle failed on the trained models");
+    }
+    Ok(())
+}

@@ -42,7 +42,7 @@ fn ensure_store(ckpt: &Path, store: &Path) -> Result<()> {
 }
 
 /// The trained store and the random twin's (same shape, same tokenizer, seeded weights).
-fn stores() -> Result<[(&'static str, PathBuf); 2]> {
+fn stores() -> Result<[(&'static str, PathBuf, PathBuf); 2]> {
     let models = super::root().join("models");
     let trained_ckpt = crate::trained::models_dir().join("k3");
     let trained = models.join("trained-store");
@@ -56,7 +56,7 @@ fn stores() -> Result<[(&'static str, PathBuf); 2]> {
     }
     let twin = models.join("trained-random-store");
     ensure_store(&twin_ckpt, &twin)?;
-    Ok([("trained", trained), ("random, same shape", twin)])
+    Ok([("trained", trained_ckpt, trained), ("random, same shape", twin_ckpt, twin)])
 }
 
 /// Per MoE layer, the share of routes the hottest 10% and 30% of its experts took, decoding
@@ -117,7 +117,7 @@ pub fn run(quick: bool) -> Result<String> {
     let mut md = format!(
         "## The tiny trained K3\n\n`cargo xtask bench trained{q}` — the trained model of `training/models` (6 layers, 32 experts of 52 KB per MoE layer, top-4) beside a model of exactly its shape and tokenizer with random weights (`gen-k3`'s draws), both as stores on this disk.\n\n### Routing skew\n\nShare of routes taken by the hottest 10% (3) and 30% (10) of each MoE layer's 32 experts, decoding built-in text the models never saw one token at a time (a uniform router gives about 10% and 30%).\n\n| model | text | tokens | hottest 10%: per layer 1..5 | mean | hottest 30%: per layer | mean |\n|---|---|---|---|---|---|---|\n"
     );
-    for (label, store) in &stores {
+    for (label, _, store) in &stores {
         let model = EngineBuilder::new(store).context(1024).open()?;
         for (name, text) in [("prose", PROSE), ("technical", TECH)] {
             let s = skew(&model, text)?;
@@ -138,14 +138,14 @@ pub fn run(quick: bool) -> Result<String> {
 
     // Decode: every (model, budget) once per round, round-robin.
     let mut rows: Vec<(String, Vec<f64>, Vec<Stats>)> = Vec::new();
-    for (label, _) in &stores {
+    for (label, _, _) in &stores {
         for (b, _) in BUDGETS {
             rows.push((format!("{label}, {b}"), vec![], vec![]));
         }
     }
     for round in 0..rounds {
         let mut i = 0;
-        for (label, store) in &stores {
+        for (label, _, store) in &stores {
             let mut first: Option<Vec<u32>> = None;
             for (_, budget) in BUDGETS {
                 let (ids, stats) = decode(store, budget, new)?;
@@ -181,7 +181,7 @@ pub fn run(quick: bool) -> Result<String> {
     }
 
     md += "\n### Prefill\n\nA prompt of built-in prose and technical text, expert-major (each routed expert read once per layer), budget with the cache at ~25% of the experts. *Routed share* = distinct expert bytes the prompt routes over all experts' bytes: a trained router leaves more experts unrouted on short prompts.\n\n| model | prompt tokens | TTFT s | expert MB read | distinct MB routed | routed share |\n|---|---|---|---|---|---|\n";
-    for (label, store) in &stores {
+    for (label, _, store) in &stores {
         for tokens in [16, 64, 256] {
             let (s, all_experts) = prefill(store, BUDGETS[0].1, tokens)?;
             writeln!(
@@ -196,14 +196,51 @@ pub fn run(quick: bool) -> Result<String> {
         }
     }
 
+    md += &placement(&stores, new)?;
     md += "\n";
     md += &super::spec::run_with(
         "trained",
-        &stores[0].1,
+        &stores[0].2,
         &crate::trained::models_dir().join("draft"),
         Some(PROMPT),
         BUDGETS[0].1 + 9_000_000,
         quick,
     )?;
+    Ok(md)
+}
+
+/// Each placement over two equal homes: how evenly decoding's expert reads fall on the drives.
+/// Whole-expert placements put a hot expert on one drive; stripes split every read.
+fn placement(stores: &[(&'static str, PathBuf, PathBuf); 2], new: usize) -> Result<String> {
+    use deltafin_store::{DriveFacts, Placement, SetupOptions};
+    let models = super::root().join("models");
+    let mut md = format!(
+        "\n### Placement\n\nThe same decode ({new} tokens, cache ~25% of experts) from stores over two equal homes (folders on this disk, rates stated so none is probed), one per placement. *Busiest drive* = its share of the expert bytes read (50% is even); with whole experts a hot expert's reads all land on one drive. Stripes are page-aligned, so a 52 KB expert splits 28 KB / 24 KB (55%): at K3's 17.5 MB the split is even to a page.\n\n| model | placement | drive bytes MB | busiest drive | reads |\n|---|---|---|---|---|\n"
+    );
+    for (label, ckpt, _) in stores {
+        for (name, p) in [("striped", Placement::Striped), ("weighted", Placement::Weighted), ("round-robin", Placement::RoundRobin)] {
+            let dir = models.join(format!("trained-placement/{}-{name}", if *label == "trained" { "trained" } else { "random" }));
+            let homes = vec![dir.join("home0"), dir.join("home1")];
+            for h in &homes {
+                std::fs::create_dir_all(h)?;
+            }
+            let out = dir.join("store");
+            if deltafin_store::Manifest::read(&out).is_err() {
+                let facts = vec![DriveFacts { capacity: None, rate: Some(1e9) }; 2];
+                let opts = SetupOptions::new(ckpt, &out).homes(homes).placement(p).drives(facts).reinstall(true);
+                deltafin_store::setup(&opts, &deltafin_store::NoProgress)?;
+            }
+            let (_, stats) = decode(&out, BUDGETS[0].1, new)?;
+            let bytes: Vec<u64> = stats.per_drive.iter().map(|d| d.bytes).collect();
+            let total: u64 = bytes.iter().sum();
+            writeln!(
+                md,
+                "| {label} | {name} | {} | {:.0}% | {} |",
+                bytes.iter().map(|b| format!("{:.1}", *b as f64 / 1e6)).collect::<Vec<_>>().join(" / "),
+                100.0 * *bytes.iter().max().unwrap_or(&0) as f64 / total.max(1) as f64,
+                stats.per_drive.iter().map(|d| d.reads.to_string()).collect::<Vec<_>>().join(" / ")
+            )?;
+        }
+    }
     Ok(md)
 }
