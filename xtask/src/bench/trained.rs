@@ -115,7 +115,7 @@ pub fn run(quick: bool) -> Result<String> {
     let (new, rounds) = if quick { (32, 2) } else { (128, 3) };
     let q = if quick { " --quick" } else { "" };
     let mut md = format!(
-        "## The tiny trained K3\n\n`cargo xtask bench trained{q}` — the trained model of `training/models` (6 layers, 32 experts of 52 KB per MoE layer, top-4) beside a model of exactly its shape and tokenizer with random weights (`gen-k3`'s draws), both as stores on this disk.\n\n### Routing skew\n\nShare of routes taken by the hottest 10% (3) and 30% (10) of each MoE layer's 32 experts, decoding built-in text the models never saw one token at a time (a uniform router gives about 10% and 30%).\n\n| model | text | tokens | hottest 10%: per layer 1..5 | mean | hottest 30%: per layer | mean |\n|---|---|---|---|---|---|---|\n"
+        "## The tiny trained K3\n\n`cargo xtask bench trained{q}` — the trained model of `training/models` (6 layers, 32 experts of 52 KB per MoE layer, top-4) beside a model of exactly its shape and tokenizer with random weights (`gen-k3`'s draws), both as stores on this disk.\n\n### Routing skew\n\nShare of routes taken by the hottest 10% (3) and 30% (10) of each MoE layer's 32 experts, decoding built-in text the models never saw one token at a time. The random model is the baseline at this sample size: about 120 tokens x 4 routes over 32 experts put ~19% / ~51% on the hottest by chance (over endless text a uniform router gives 10% / 30%).\n\n| model | text | tokens | hottest 10%: per layer 1..5 | mean | hottest 30%: per layer | mean |\n|---|---|---|---|---|---|---|\n"
     );
     for (label, _, store) in &stores {
         let model = EngineBuilder::new(store).context(1024).open()?;
@@ -163,7 +163,7 @@ pub fn run(quick: bool) -> Result<String> {
     }
     write!(
         md,
-        "\n### Expert cache and prefetch\n\nDecoding {new} tokens after `{PROMPT}` (greedy), RAM budget with the spine resident and the expert cache holding about a quarter or a half of the experts, context 512; {rounds} rounds, configurations round-robin, each on a freshly opened model. Ids equal across budgets (checked). Counters from the last round. At this size compute dominates (a step is well under a millisecond of reads), so tok/s says little; the hit rate, bytes per token and prefetch recall are what a trained router changes.\n\n| model, budget | tok/s min / median / max | hit rate | MB read per token | prefetch used / issued | prefetch recall | read wait s |\n|---|---|---|---|---|---|---|\n"
+        "\n### Expert cache and prefetch\n\nDecoding {new} tokens after `{PROMPT}` (greedy), RAM budget with the spine resident and the expert cache holding about a quarter or a half of the experts, context 512; {rounds} rounds, configurations round-robin, each on a freshly opened model. Ids equal across budgets (checked). Counters from the last round. At this size compute dominates (a step is well under a millisecond of reads), so tok/s says little; the hit rate and bytes per token are what a trained router changes. Prefetch is rarely issued here: the engine guesses the next layer's experts while the current layer's last read is in flight, and a 52 KB read is over before the guess.\n\n| model, budget | tok/s min / median / max | hit rate | MB read per token | prefetch used / issued | prefetch recall | read wait s |\n|---|---|---|---|---|---|---|\n"
     )?;
     for (label, tok_s, stats) in &rows {
         let (a, b, c) = spread(tok_s);
