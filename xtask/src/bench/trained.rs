@@ -197,7 +197,7 @@ pub fn run(quick: bool) -> Result<String> {
     }
 
     md += &placement(&stores, new)?;
-    md += "\n";
+    md += "\n### Speculative decoding with the trained draft\n\nThe trained Qwen3 draft (2 layers, 192 wide) on the trained K3, every drafter of `bench spec` plus the draft at a fixed 4 tokens a step (its acceptance whatever the gate would choose). One budget for all: the draft's 5 MB come out of the expert cache, so a drafted run's cache is about a quarter of the experts and plain's holds nearly all of them; that, more than verification, is the drafted runs' extra bytes per token at this size.\n\n";
     md += &super::spec::run_with(
         "trained",
         &stores[0].2,
