@@ -165,6 +165,24 @@ fn bench(c: &mut Criterion) {
                         out
                     })
                 });
+                // The previous kernel, in the same run: the same tiles, each value its own dot
+                // (no weight row shared by several token rows' FMA chains).
+                g.bench_function(BenchmarkId::new(format!("bf16 lone dots {name}"), n), |b| {
+                    b.iter(|| {
+                        let mut out = vec![0f32; ROWS * n];
+                        out.par_chunks_mut(n * 32).enumerate().for_each(|(blk, o)| {
+                            for tile in (0..n).step_by(32) {
+                                for (i, o) in o.chunks_mut(n).enumerate() {
+                                    let wr = bf16.row(32 * blk + i);
+                                    for t in tile..(tile + 32).min(n) {
+                                        o[t] = dot_bf16(isa, x.row(t), wr);
+                                    }
+                                }
+                            }
+                        });
+                        out
+                    })
+                });
                 g.bench_function(BenchmarkId::new(format!("bf16 untiled {name}"), n), |b| {
                     b.iter(|| {
                         let mut out = vec![0f32; ROWS * n];

@@ -86,6 +86,39 @@ pub fn dot_bf16(isa: Isa, x: &[f32], w: &[u8]) -> f32 {
     }
 }
 
+/// `out[j] = dot_bf16(isa, xs[j], w)` for every input: the weight row is widened once per 16
+/// elements for several inputs whose accumulations run side by side (independent FMA chains),
+/// each in its own lanes and in the same order as alone, so every value equals its lone dot.
+pub fn dot_bf16_inputs(isa: Isa, xs: &[&[f32]], w: &[u8], out: &mut [f32]) {
+    assert_eq!(xs.len(), out.len(), "dot_bf16_inputs: one output per input");
+    for x in xs {
+        assert_eq!(w.len(), x.len() * 2, "dot_bf16_inputs: length mismatch");
+    }
+    let mut j = 0;
+    match isa.kind() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: an `Isa` of `Avx512` is only made after feature detection; lengths checked.
+        IsaKind::Avx512 => {
+            while j + 8 <= xs.len() {
+                out[j..j + 8].copy_from_slice(&unsafe { x86::dot_bf16_n_avx512::<8>(&xs[j..j + 8], w) });
+                j += 8;
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for `Avx2`.
+        IsaKind::Avx2 => {
+            while j + 4 <= xs.len() {
+                out[j..j + 4].copy_from_slice(&unsafe { x86::dot_bf16_n_avx2::<4>(&xs[j..j + 4], w) });
+                j += 4;
+            }
+        }
+        _ => {}
+    }
+    for (x, o) in xs[j..].iter().zip(&mut out[j..]) {
+        *o = dot_bf16(isa, x, w);
+    }
+}
+
 /// `sum_i x[i] * w[i]` in F32.
 pub fn dot_f32(isa: Isa, x: &[f32], w: &[f32]) -> f32 {
     assert_eq!(w.len(), x.len(), "dot_f32: length mismatch");
@@ -160,6 +193,29 @@ pub(crate) mod x86 {
         dot_bf16_scalar(x, w, n, unsafe { store2(lo, hi) })
     }
 
+    /// `N` inputs against one BF16 row: the row widened once, `N` chains of two accumulators.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_bf16_n_avx2<const N: usize>(xs: &[&[f32]], w: &[u8]) -> [f32; N] {
+        let len = w.len() / 2;
+        let n = len / LANES * LANES;
+        let mut lo = [_mm256_setzero_ps(); N];
+        let mut hi = [_mm256_setzero_ps(); N];
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= len for every input (the caller checked lengths).
+            unsafe {
+                let (wl, wh) = (bf16x8(w.as_ptr().add(2 * i)), bf16x8(w.as_ptr().add(2 * i + 16)));
+                for j in 0..N {
+                    lo[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[j].as_ptr().add(i)), wl, lo[j]);
+                    hi[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[j].as_ptr().add(i + 8)), wh, hi[j]);
+                }
+            }
+            i += LANES;
+        }
+        // SAFETY: plain stores into local arrays.
+        std::array::from_fn(|j| dot_bf16_scalar(xs[j], w, n, unsafe { store2(lo[j], hi[j]) }))
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn dot_f32_avx2(x: &[f32], w: &[f32]) -> f32 {
         let n = x.len() / LANES * LANES;
@@ -199,6 +255,27 @@ pub(crate) mod x86 {
             i += LANES;
         }
         dot_bf16_scalar(x, w, n, unsafe { store16(acc) })
+    }
+
+    /// `N` inputs against one BF16 row: the row widened once, `N` independent chains.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn dot_bf16_n_avx512<const N: usize>(xs: &[&[f32]], w: &[u8]) -> [f32; N] {
+        let len = w.len() / 2;
+        let n = len / LANES * LANES;
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= len for every input; 32 bytes of w readable.
+            unsafe {
+                let h = _mm256_loadu_si256(w.as_ptr().add(2 * i) as *const __m256i);
+                let wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                for j in 0..N {
+                    acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[j].as_ptr().add(i)), wf, acc[j]);
+                }
+            }
+            i += LANES;
+        }
+        std::array::from_fn(|j| dot_bf16_scalar(xs[j], w, n, unsafe { store16(acc[j]) }))
     }
 
     #[target_feature(enable = "avx512f")]

@@ -1,11 +1,13 @@
 //! Row-parallel matrix products: `Y[t, r] = dot(X[t, :], W[r, :])` for every token row `t`.
 //!
-//! Work is split over output rows only; each output value is one [`dot_bf16`] call, so the result
-//! is identical for any thread count and any number of token rows.
+//! Work is split over output rows only; each output value is one dot in the fixed lane order of
+//! [`dot_bf16`] (several token rows share each widened weight row through [`dot_bf16_inputs`],
+//! each still accumulated exactly as alone), so the result is identical for any thread count and
+//! any number of token rows.
 
 use rayon::prelude::*;
 
-use super::dot::{dot_bf16, Isa};
+use super::dot::{dot_bf16_inputs, Isa};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
@@ -33,11 +35,14 @@ pub fn matmul_bf16_with(isa: Isa, x: &Mat, w: &Bf16Matrix) -> Mat {
             let mut block = vec![0f32; t * (r1 - r0)];
             // Token rows a tile at a time: the tile's inputs stay in cache while the block's
             // weight rows pass over them (each value is still one dot).
+            let mut vals = [0f32; TOKEN_TILE];
             for tile in (0..t).step_by(TOKEN_TILE) {
+                let end = (tile + TOKEN_TILE).min(t);
+                let xs: Vec<&[f32]> = (tile..end).map(|ti| x.row(ti)).collect();
                 for r in r0..r1 {
-                    let wr = w.row(r);
-                    for ti in tile..(tile + TOKEN_TILE).min(t) {
-                        block[ti * (r1 - r0) + (r - r0)] = dot_bf16(isa, x.row(ti), wr);
+                    dot_bf16_inputs(isa, &xs, w.row(r), &mut vals[..end - tile]);
+                    for (ti, v) in (tile..end).zip(vals) {
+                        block[ti * (r1 - r0) + (r - r0)] = v;
                     }
                 }
             }
