@@ -202,6 +202,18 @@ fn bench(c: &mut Criterion) {
         let x = Mat::from_vec(1, d, floats(d, 19));
         g.throughput(Throughput::Bytes((d * d * 2) as u64));
         g.bench_function(BenchmarkId::new(format!("bf16 gemv 7168 {name}"), 1), |b| b.iter(|| matmul_bf16_with(isa, &x, &gemv)));
+        // The previous GEMV, in the same run: one lone dot per weight row.
+        g.bench_function(BenchmarkId::new(format!("bf16 gemv 7168 lone dots {name}"), 1), |b| {
+            b.iter(|| {
+                let mut out = vec![0f32; d];
+                out.par_chunks_mut(32).enumerate().for_each(|(blk, o)| {
+                    for (i, o) in o.iter_mut().enumerate() {
+                        *o = dot_bf16(isa, x.row(0), gemv.row(32 * blk + i));
+                    }
+                });
+                out
+            })
+        });
     }
     g.finish();
 }

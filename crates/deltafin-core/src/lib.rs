@@ -33,8 +33,8 @@ pub use crate::{
     config::{AttentionKind, ExpertShape, K3Config, MlpKind},
     error::{Error, Result},
     kernels::{
-        dot_bf16, dot_bf16_inputs, dot_f32, dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_bf16, matmul_bf16_with,
-        permute_for_mxfp4, Isa, IsaKind, Mxfp4Matrix, LANES,
+        dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_f32, dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_bf16,
+        matmul_bf16_with, permute_for_mxfp4, Isa, IsaKind, Mxfp4Matrix, LANES,
     },
     math::{argmax, rms_norm_in_place, situ, softmax_in_place},
     model::{

@@ -119,6 +119,39 @@ pub fn dot_bf16_inputs(isa: Isa, xs: &[&[f32]], w: &[u8], out: &mut [f32]) {
     }
 }
 
+/// `out[j] = dot_bf16(isa, x, ws[j])` for every weight row: one input against several rows, their
+/// accumulations side by side (independent FMA chains: a lone dot is bound by FMA latency), each
+/// in the same lanes and order as alone.
+pub fn dot_bf16_rows(isa: Isa, x: &[f32], ws: &[&[u8]], out: &mut [f32]) {
+    assert_eq!(ws.len(), out.len(), "dot_bf16_rows: one output per row");
+    for w in ws {
+        assert_eq!(w.len(), x.len() * 2, "dot_bf16_rows: length mismatch");
+    }
+    let mut j = 0;
+    match isa.kind() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: an `Isa` of `Avx512` is only made after feature detection; lengths checked.
+        IsaKind::Avx512 => {
+            while j + 4 <= ws.len() {
+                out[j..j + 4].copy_from_slice(&unsafe { x86::dot_bf16_rows_avx512::<4>(x, &ws[j..j + 4]) });
+                j += 4;
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for `Avx2`.
+        IsaKind::Avx2 => {
+            while j + 4 <= ws.len() {
+                out[j..j + 4].copy_from_slice(&unsafe { x86::dot_bf16_rows_avx2::<4>(x, &ws[j..j + 4]) });
+                j += 4;
+            }
+        }
+        _ => {}
+    }
+    for (w, o) in ws[j..].iter().zip(&mut out[j..]) {
+        *o = dot_bf16(isa, x, w);
+    }
+}
+
 /// `sum_i x[i] * w[i]` in F32.
 pub fn dot_f32(isa: Isa, x: &[f32], w: &[f32]) -> f32 {
     assert_eq!(w.len(), x.len(), "dot_f32: length mismatch");
@@ -216,6 +249,28 @@ pub(crate) mod x86 {
         std::array::from_fn(|j| dot_bf16_scalar(xs[j], w, n, unsafe { store2(lo[j], hi[j]) }))
     }
 
+    /// One input against `N` BF16 rows: the input loaded once, `N` chains of two accumulators.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_bf16_rows_avx2<const N: usize>(x: &[f32], ws: &[&[u8]]) -> [f32; N] {
+        let n = x.len() / LANES * LANES;
+        let mut lo = [_mm256_setzero_ps(); N];
+        let mut hi = [_mm256_setzero_ps(); N];
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= x.len() and every row has 2 bytes per element (caller checked).
+            unsafe {
+                let (xl, xh) = (_mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(x.as_ptr().add(i + 8)));
+                for j in 0..N {
+                    lo[j] = _mm256_fmadd_ps(xl, bf16x8(ws[j].as_ptr().add(2 * i)), lo[j]);
+                    hi[j] = _mm256_fmadd_ps(xh, bf16x8(ws[j].as_ptr().add(2 * i + 16)), hi[j]);
+                }
+            }
+            i += LANES;
+        }
+        // SAFETY: plain stores into local arrays.
+        std::array::from_fn(|j| dot_bf16_scalar(x, ws[j], n, unsafe { store2(lo[j], hi[j]) }))
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn dot_f32_avx2(x: &[f32], w: &[f32]) -> f32 {
         let n = x.len() / LANES * LANES;
@@ -276,6 +331,27 @@ pub(crate) mod x86 {
             i += LANES;
         }
         std::array::from_fn(|j| dot_bf16_scalar(xs[j], w, n, unsafe { store16(acc[j]) }))
+    }
+
+    /// One input against `N` BF16 rows: the input loaded once, `N` independent chains.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn dot_bf16_rows_avx512<const N: usize>(x: &[f32], ws: &[&[u8]]) -> [f32; N] {
+        let n = x.len() / LANES * LANES;
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut i = 0;
+        while i < n {
+            // SAFETY: i + 16 <= x.len(); 32 bytes of each row readable.
+            unsafe {
+                let xv = _mm512_loadu_ps(x.as_ptr().add(i));
+                for j in 0..N {
+                    let h = _mm256_loadu_si256(ws[j].as_ptr().add(2 * i) as *const __m256i);
+                    let wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                    acc[j] = _mm512_fmadd_ps(xv, wf, acc[j]);
+                }
+            }
+            i += LANES;
+        }
+        std::array::from_fn(|j| dot_bf16_scalar(x, ws[j], n, unsafe { store16(acc[j]) }))
     }
 
     #[target_feature(enable = "avx512f")]

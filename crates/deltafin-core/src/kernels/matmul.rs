@@ -1,13 +1,14 @@
 //! Row-parallel matrix products: `Y[t, r] = dot(X[t, :], W[r, :])` for every token row `t`.
 //!
 //! Work is split over output rows only; each output value is one dot in the fixed lane order of
-//! [`dot_bf16`] (several token rows share each widened weight row through [`dot_bf16_inputs`],
-//! each still accumulated exactly as alone), so the result is identical for any thread count and
-//! any number of token rows.
+//! [`dot_bf16`] (several token rows share each widened weight row through [`dot_bf16_inputs`];
+//! with fewer token rows than that, several weight rows share each input through
+//! [`dot_bf16_rows`]; each value still accumulated exactly as alone), so the result is identical
+//! for any thread count and any number of token rows.
 
 use rayon::prelude::*;
 
-use super::dot::{dot_bf16_inputs, Isa};
+use super::dot::{dot_bf16_inputs, dot_bf16_rows, Isa};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
@@ -15,6 +16,11 @@ use crate::weights::Bf16Matrix;
 const ROWS_PER_TASK: usize = 32;
 /// Token rows walked together (32 x 28 KB of F32 inputs at K3's width: in L2).
 const TOKEN_TILE: usize = 32;
+// One scratch row of `TOKEN_TILE` values also holds a task's outputs for one token row.
+const _: () = assert!(ROWS_PER_TASK <= TOKEN_TILE);
+
+/// Token rows from which several inputs share each weight row (below: rows share each input).
+const SHARE_INPUTS_FROM: usize = 4;
 
 /// `X [t, cols] @ W[rows, cols]^T -> [t, rows]`.
 pub fn matmul_bf16(x: &Mat, w: &Bf16Matrix) -> Mat {
@@ -39,6 +45,16 @@ pub fn matmul_bf16_with(isa: Isa, x: &Mat, w: &Bf16Matrix) -> Mat {
             for tile in (0..t).step_by(TOKEN_TILE) {
                 let end = (tile + TOKEN_TILE).min(t);
                 let xs: Vec<&[f32]> = (tile..end).map(|ti| x.row(ti)).collect();
+                if xs.len() < SHARE_INPUTS_FROM {
+                    // Decode-sized: too few token rows to share a weight row, so weight rows
+                    // share each input instead (independent chains either way).
+                    let ws: Vec<&[u8]> = (r0..r1).map(|r| w.row(r)).collect();
+                    for (ti, xr) in (tile..end).zip(&xs) {
+                        dot_bf16_rows(isa, xr, &ws, &mut vals[..r1 - r0]);
+                        block[ti * (r1 - r0)..(ti + 1) * (r1 - r0)].copy_from_slice(&vals[..r1 - r0]);
+                    }
+                    continue;
+                }
                 for r in r0..r1 {
                     dot_bf16_inputs(isa, &xs, w.row(r), &mut vals[..end - tile]);
                     for (ti, v) in (tile..end).zip(vals) {

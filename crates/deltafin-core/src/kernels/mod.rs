@@ -12,7 +12,7 @@ mod mxfp4;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
-pub use dot::{dot_bf16, dot_bf16_inputs, dot_f32, Isa, IsaKind, LANES};
+pub use dot::{dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_f32, Isa, IsaKind, LANES};
 pub use matmul::{matmul_bf16, matmul_bf16_with};
 pub use mxfp4::{dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, permute_for_mxfp4, Mxfp4Matrix};
 
