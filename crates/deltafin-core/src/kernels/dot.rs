@@ -94,28 +94,15 @@ pub fn dot_bf16_inputs(isa: Isa, xs: &[&[f32]], w: &[u8], out: &mut [f32]) {
     for x in xs {
         assert_eq!(w.len(), x.len() * 2, "dot_bf16_inputs: length mismatch");
     }
-    let mut j = 0;
+    let lone = |j: usize| dot_bf16(isa, xs[j], w);
     match isa.kind() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: an `Isa` of `Avx512` is only made after feature detection; lengths checked.
-        IsaKind::Avx512 => {
-            while j + 8 <= xs.len() {
-                out[j..j + 8].copy_from_slice(&unsafe { x86::dot_bf16_n_avx512::<8>(&xs[j..j + 8], w) });
-                j += 8;
-            }
-        }
+        IsaKind::Avx512 => in_groups::<8>(out, |j| unsafe { x86::dot_bf16_n_avx512::<8>(&xs[j..j + 8], w) }, lone),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for `Avx2`.
-        IsaKind::Avx2 => {
-            while j + 4 <= xs.len() {
-                out[j..j + 4].copy_from_slice(&unsafe { x86::dot_bf16_n_avx2::<4>(&xs[j..j + 4], w) });
-                j += 4;
-            }
-        }
-        _ => {}
-    }
-    for (x, o) in xs[j..].iter().zip(&mut out[j..]) {
-        *o = dot_bf16(isa, x, w);
+        IsaKind::Avx2 => in_groups::<4>(out, |j| unsafe { x86::dot_bf16_n_avx2::<4>(&xs[j..j + 4], w) }, lone),
+        _ => in_groups::<1>(out, |j| [lone(j)], lone),
     }
 }
 
@@ -127,28 +114,27 @@ pub fn dot_bf16_rows(isa: Isa, x: &[f32], ws: &[&[u8]], out: &mut [f32]) {
     for w in ws {
         assert_eq!(w.len(), x.len() * 2, "dot_bf16_rows: length mismatch");
     }
-    let mut j = 0;
+    let lone = |j: usize| dot_bf16(isa, x, ws[j]);
     match isa.kind() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: an `Isa` of `Avx512` is only made after feature detection; lengths checked.
-        IsaKind::Avx512 => {
-            while j + 4 <= ws.len() {
-                out[j..j + 4].copy_from_slice(&unsafe { x86::dot_bf16_rows_avx512::<4>(x, &ws[j..j + 4]) });
-                j += 4;
-            }
-        }
+        IsaKind::Avx512 => in_groups::<4>(out, |j| unsafe { x86::dot_bf16_rows_avx512::<4>(x, &ws[j..j + 4]) }, lone),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for `Avx2`.
-        IsaKind::Avx2 => {
-            while j + 4 <= ws.len() {
-                out[j..j + 4].copy_from_slice(&unsafe { x86::dot_bf16_rows_avx2::<4>(x, &ws[j..j + 4]) });
-                j += 4;
-            }
-        }
-        _ => {}
+        IsaKind::Avx2 => in_groups::<4>(out, |j| unsafe { x86::dot_bf16_rows_avx2::<4>(x, &ws[j..j + 4]) }, lone),
+        _ => in_groups::<1>(out, |j| [lone(j)], lone),
     }
-    for (w, o) in ws[j..].iter().zip(&mut out[j..]) {
-        *o = dot_bf16(isa, x, w);
+}
+
+/// Fills `out` `G` values at a time from `group(first)`, the remainder one `lone(j)` each.
+#[inline(always)]
+fn in_groups<const G: usize>(out: &mut [f32], group: impl Fn(usize) -> [f32; G], lone: impl Fn(usize) -> f32) {
+    let full = out.len() / G * G;
+    for j in (0..full).step_by(G) {
+        out[j..j + G].copy_from_slice(&group(j));
+    }
+    for (j, o) in out.iter_mut().enumerate().skip(full) {
+        *o = lone(j);
     }
 }
 

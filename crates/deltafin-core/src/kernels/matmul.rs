@@ -16,8 +16,6 @@ use crate::weights::Bf16Matrix;
 const ROWS_PER_TASK: usize = 32;
 /// Token rows walked together (32 x 28 KB of F32 inputs at K3's width: in L2).
 const TOKEN_TILE: usize = 32;
-// One scratch row of `TOKEN_TILE` values also holds a task's outputs for one token row.
-const _: () = assert!(ROWS_PER_TASK <= TOKEN_TILE);
 
 /// Token rows from which several inputs share each weight row (below: rows share each input).
 const SHARE_INPUTS_FROM: usize = 4;
@@ -42,21 +40,20 @@ pub fn matmul_bf16_with(isa: Isa, x: &Mat, w: &Bf16Matrix) -> Mat {
             // Token rows a tile at a time: the tile's inputs stay in cache while the block's
             // weight rows pass over them (each value is still one dot).
             let mut vals = [0f32; TOKEN_TILE];
+            let ws: Vec<&[u8]> = (r0..r1).map(|r| w.row(r)).collect();
             for tile in (0..t).step_by(TOKEN_TILE) {
                 let end = (tile + TOKEN_TILE).min(t);
                 let xs: Vec<&[f32]> = (tile..end).map(|ti| x.row(ti)).collect();
                 if xs.len() < SHARE_INPUTS_FROM {
                     // Decode-sized: too few token rows to share a weight row, so weight rows
                     // share each input instead (independent chains either way).
-                    let ws: Vec<&[u8]> = (r0..r1).map(|r| w.row(r)).collect();
                     for (ti, xr) in (tile..end).zip(&xs) {
-                        dot_bf16_rows(isa, xr, &ws, &mut vals[..r1 - r0]);
-                        block[ti * (r1 - r0)..(ti + 1) * (r1 - r0)].copy_from_slice(&vals[..r1 - r0]);
+                        dot_bf16_rows(isa, xr, &ws, &mut block[ti * (r1 - r0)..(ti + 1) * (r1 - r0)]);
                     }
                     continue;
                 }
-                for r in r0..r1 {
-                    dot_bf16_inputs(isa, &xs, w.row(r), &mut vals[..end - tile]);
+                for (r, wr) in (r0..r1).zip(&ws) {
+                    dot_bf16_inputs(isa, &xs, wr, &mut vals[..end - tile]);
                     for (ti, v) in (tile..end).zip(vals) {
                         block[ti * (r1 - r0) + (r - r0)] = v;
                     }
