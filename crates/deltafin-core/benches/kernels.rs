@@ -15,7 +15,9 @@ mod common;
 
 use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use deltafin_core::{dot_bf16, dot_f32, dot_mxfp4_inputs, matmul_bf16_with, permute_for_mxfp4, Bf16Matrix, Bytes, Isa, IsaKind, Mat};
+use deltafin_core::{
+    dot_bf16, dot_f32, matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4, Bf16Matrix, Bytes, Isa, IsaKind, Mat, Mxfp4Matrix,
+};
 use rayon::prelude::*;
 
 const ROWS: usize = 3072;
@@ -128,43 +130,37 @@ fn bench(c: &mut Criterion) {
             g.throughput(Throughput::Elements(flops));
             let xs: Vec<Vec<f32>> = (0..n).map(|t| permute_for_mxfp4(&floats(COLS, 11 + t as u64))).collect();
             let refs: Vec<&[f32]> = xs.iter().map(|x| &x[..]).collect();
+            let w = Mxfp4Matrix::new(ROWS, COLS, &packed, &scales).unwrap();
+            // The engine's split (`expert_forward`): blocks of 32 rows in parallel, each one
+            // `matmul_mxfp4` over every input.
             g.bench_function(BenchmarkId::new(format!("mxfp4 {name}"), n), |b| {
                 b.iter(|| {
-                    // The engine's split (`expert_forward`): blocks of 32 rows in parallel, each
-                    // walking the inputs 32 at a time, in eights.
                     let mut out = vec![0f32; ROWS * n];
-                    out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| {
-                        for tile in (0..n).step_by(32) {
-                            let end = (tile + 32).min(n);
-                            for (i, o) in o.chunks_mut(n).enumerate() {
-                                let r = 32 * b + i;
-                                let (p, s) = (&packed[r * COLS / 2..(r + 1) * COLS / 2], &scales[r * COLS / 32..(r + 1) * COLS / 32]);
-                                for (x, o) in refs[tile..end].chunks(8).zip(o[tile..end].chunks_mut(8)) {
-                                    dot_mxfp4_inputs(isa, x, p, s, o);
-                                }
-                            }
-                        }
-                    });
+                    out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| matmul_mxfp4(isa, &refs, &w, 32 * b..32 * b + 32, o));
                     out
                 })
             });
-            let x = Mat::from_vec(n, COLS, floats(n * COLS, 13));
-            g.bench_function(BenchmarkId::new(format!("bf16 {name}"), n), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
-            if n == 512 {
-                // The baseline, in the same run: the split before token tiling, each weight row
-                // walking every token row (the same dots, in the same order).
-                g.bench_function(BenchmarkId::new(format!("mxfp4 untiled {name}"), n), |b| {
+            if n == 1 || n == 512 {
+                // The baseline, in the same run: the same blocks one weight row at a time
+                // (tiles of one row: no input shared by several rows' FMA chains).
+                g.bench_function(BenchmarkId::new(format!("mxfp4 row by row {name}"), n), |b| {
                     b.iter(|| {
                         let mut out = vec![0f32; ROWS * n];
-                        out.par_chunks_mut(n).with_min_len(32).enumerate().for_each(|(r, o)| {
-                            let (p, s) = (&packed[r * COLS / 2..(r + 1) * COLS / 2], &scales[r * COLS / 32..(r + 1) * COLS / 32]);
-                            for (x, o) in refs.chunks(8).zip(o.chunks_mut(8)) {
-                                dot_mxfp4_inputs(isa, x, p, s, o);
+                        out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| {
+                            for (i, o) in o.chunks_mut(n).enumerate() {
+                                let r = 32 * b + i;
+                                for (x, o) in refs.chunks(8).zip(o.chunks_mut(8)) {
+                                    matmul_mxfp4(isa, x, &w, r..r + 1, o);
+                                }
                             }
                         });
                         out
                     })
                 });
+            }
+            let x = Mat::from_vec(n, COLS, floats(n * COLS, 13));
+            g.bench_function(BenchmarkId::new(format!("bf16 {name}"), n), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
+            if n == 512 {
                 // The previous kernel, in the same run: the same tiles, each value its own dot
                 // (no weight row shared by several token rows' FMA chains).
                 g.bench_function(BenchmarkId::new(format!("bf16 lone dots {name}"), n), |b| {

@@ -8,6 +8,8 @@
 //! representable in F32) and fused-multiply-added, so the scalar and SIMD kernels agree bit for bit.
 
 use super::dot::{reduce_lanes, Isa, IsaKind, LANES};
+#[cfg(target_arch = "x86_64")]
+use super::mxfp4_x86::{tile_avx2, tile_avx512, Tile};
 
 /// E2M1 code to value, sign included (code 8 is -0.0).
 const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
@@ -40,66 +42,83 @@ pub fn permute_for_mxfp4(x: &[f32]) -> Vec<f32> {
     out
 }
 
+/// The E2M1 values times each E8M0 scale, `[scale byte][code]`: every kernel multiplies by
+/// these same products (exact: a code times a power of two), so they agree bit for bit.
+pub(crate) fn scaled_e2m1() -> &'static [[f32; 16]; 256] {
+    static TABLE: std::sync::LazyLock<Box<[[f32; 16]; 256]>> = std::sync::LazyLock::new(|| {
+        let mut t = Box::new([[0f32; 16]; 256]);
+        for (s, row) in t.iter_mut().enumerate() {
+            for (c, v) in row.iter_mut().enumerate() {
+                *v = E2M1[c] * e8m0_scale(s as u8);
+            }
+        }
+        t
+    });
+    &TABLE
+}
+
 /// One row: `sum_c x[c] * W[c]` with `xp` from [`permute_for_mxfp4`], `packed` of `cols/2` bytes
 /// and `scales` of `cols/32` bytes.
 pub fn dot_mxfp4(isa: Isa, xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
-    assert!(xp.len() == packed.len() * 2 && xp.len() == scales.len() * 32, "dot_mxfp4: length mismatch");
-    match isa.kind() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: SIMD variants are only selected after feature detection.
-        IsaKind::Avx2 => unsafe { x86::dot_mxfp4_avx2(xp, packed, scales) },
-        #[cfg(target_arch = "x86_64")]
-        IsaKind::Avx512 => unsafe { x86::dot_mxfp4_avx512(xp, packed, scales) },
-        #[cfg(target_arch = "aarch64")]
-        // SAFETY: NEON is only selected after feature detection.
-        IsaKind::Neon => unsafe { super::neon::dot_mxfp4_neon(xp, packed, scales) },
-        _ => dot_mxfp4_scalar(xp, packed, scales),
-    }
+    let mut out = [0f32];
+    dot_mxfp4_inputs(isa, &[xp], packed, scales, &mut out);
+    out[0]
 }
 
-/// One row against several inputs: `out[t]` = [`dot_mxfp4`]`(xs[t], packed, scales)`, bit for bit.
-///
-/// The SIMD paths dequantize each group of weights once and fused-multiply-add it into every
-/// input's own accumulators, in exactly the single dot's order: a prompt's tokens share the
-/// dequantization instead of repeating it per token.
+/// One row against several inputs: `out[t]` = [`dot_mxfp4`]`(xs[t], packed, scales)`, bit for bit
+/// (each group decoded once for all of them).
 pub fn dot_mxfp4_inputs(isa: Isa, xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
-    assert_eq!(xs.len(), out.len(), "dot_mxfp4_inputs: one output per input");
+    let w = Mxfp4Matrix::new(1, scales.len() * 32, packed, scales).expect("dot_mxfp4_inputs: packed and scale lengths differ");
+    matmul_mxfp4(isa, xs, &w, 0..1, out);
+}
+
+/// Weight rows `rows` of `w` against every input: `out[(r - rows.start) * xs.len() + t]` =
+/// [`dot_mxfp4`]`(xs[t], row r)`, bit for bit, whatever the number of rows and inputs.
+///
+/// The SIMD paths walk register tiles of several rows by several inputs: each group of a row is
+/// decoded once for all the tile's inputs, each input's group loaded once for all its rows, and
+/// every value keeps its lone dot's own chain of fused multiply-adds (`mxfp4_x86`). Threads are
+/// the caller's: this is one task's block.
+pub fn matmul_mxfp4(isa: Isa, xs: &[&[f32]], w: &Mxfp4Matrix, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    assert!(rows.end <= w.rows, "matmul_mxfp4: rows {rows:?} past {}", w.rows);
+    assert_eq!(out.len(), rows.len() * xs.len(), "matmul_mxfp4: one output per row and input");
     for x in xs {
-        assert!(x.len() == packed.len() * 2 && x.len() == scales.len() * 32, "dot_mxfp4_inputs: length mismatch");
+        assert_eq!(x.len(), w.cols, "matmul_mxfp4: input length differs from the matrix width");
     }
+    let table = scaled_e2m1();
     match isa.kind() {
         #[cfg(target_arch = "x86_64")]
-        IsaKind::Avx512 => {
-            for (xs, out) in xs.chunks(8).zip(out.chunks_mut(8)) {
-                // SAFETY: AVX-512 is only selected after feature detection; lengths checked.
-                unsafe { x86::dot_mxfp4_avx512_inputs(xs, packed, scales, out) }
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        IsaKind::Avx2 => {
-            for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
-                // SAFETY: AVX2 is only selected after feature detection; lengths checked.
-                unsafe { x86::dot_mxfp4_avx2_inputs(xs, packed, scales, out) }
-            }
-        }
-        _ => {
-            for (x, o) in xs.iter().zip(out) {
-                *o = dot_mxfp4(isa, x, packed, scales);
-            }
+        IsaKind::Avx512 | IsaKind::Avx2 => tiles::run(isa.kind(), xs, w, rows, out, table),
+        #[cfg(target_arch = "aarch64")]
+        IsaKind::Neon => each_value(xs, w, rows, out, |x, p, s| {
+            // SAFETY: NEON is only selected after feature detection; lengths checked above.
+            unsafe { super::neon::dot_mxfp4_neon(x, p, s) }
+        }),
+        _ => each_value(xs, w, rows, out, |x, p, s| dot_mxfp4_scalar(x, p, s, table)),
+    }
+}
+
+/// One dot per value, for the paths without tiles.
+fn each_value(xs: &[&[f32]], w: &Mxfp4Matrix, rows: std::ops::Range<usize>, out: &mut [f32], dot: impl Fn(&[f32], &[u8], &[u8]) -> f32) {
+    let t = xs.len();
+    for (i, r) in rows.enumerate() {
+        let (p, s) = w.row_bytes(r);
+        for (o, x) in out[i * t..(i + 1) * t].iter_mut().zip(xs) {
+            *o = dot(x, p, s);
         }
     }
 }
 
-fn dot_mxfp4_scalar(xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
+fn dot_mxfp4_scalar(xp: &[f32], packed: &[u8], scales: &[u8], table: &[[f32; 16]; 256]) -> f32 {
     let mut acc = [0f32; LANES];
     for (g, &s) in scales.iter().enumerate() {
-        let sc = e8m0_scale(s);
+        let lut = &table[s as usize];
         let bytes = &packed[16 * g..16 * g + 16];
         let x = &xp[32 * g..32 * g + 32];
         for j in 0..16 {
             let b = bytes[j];
-            acc[j] = x[j].mul_add(E2M1[(b & 15) as usize] * sc, acc[j]);
-            acc[j] = x[16 + j].mul_add(E2M1[(b >> 4) as usize] * sc, acc[j]);
+            acc[j] = x[j].mul_add(lut[(b & 15) as usize], acc[j]);
+            acc[j] = x[16 + j].mul_add(lut[(b >> 4) as usize], acc[j]);
         }
     }
     reduce_lanes(&acc)
@@ -145,118 +164,104 @@ impl<'a> Mxfp4Matrix<'a> {
     }
 }
 
+/// Tile shapes per instruction set and input count, and the walk over a block.
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+mod tiles {
     use super::*;
-    use crate::kernels::dot::x86::{store16, store2};
-    use std::arch::x86_64::*;
 
-    /// Calls `$f::<N>` for N = the number of inputs (the last count takes any larger number):
-    /// each count gets its own accumulator array in registers.
-    macro_rules! by_count {
-        ($f:ident, $xs:expr, $p:expr, $s:expr, $o:expr, $($n:literal)*; $max:literal) => {
-            match $xs.len() {
-                $($n => $f::<$n>($xs, $p, $s, $o),)*
-                _ => $f::<$max>($xs, $p, $s, $o),
+    /// Calls `body!(N)` with the literal matching `$n` (1 to 7).
+    macro_rules! by_len {
+        ($n:expr, $f:ident::<$r:literal>($($a:expr),*)) => {
+            match $n {
+                1 => $f::<$r, 1>($($a),*),
+                2 => $f::<$r, 2>($($a),*),
+                3 => $f::<$r, 3>($($a),*),
+                4 => $f::<$r, 4>($($a),*),
+                5 => $f::<$r, 5>($($a),*),
+                6 => $f::<$r, 6>($($a),*),
+                _ => $f::<$r, 7>($($a),*),
             }
         };
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn half_avx2(bytes8: *const u8, mag: __m256, shift: i32) -> __m256 {
-        // SAFETY: caller guarantees 8 readable bytes.
+    pub(super) fn run(
+        kind: IsaKind,
+        xs: &[&[f32]],
+        w: &Mxfp4Matrix,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        table: &[[f32; 16]; 256],
+    ) {
+        let t = xs.len();
+        // Accumulators fill the register file: AVX-512 has 32 vector registers (one per
+        // value), AVX2 16 (two per value); fewer inputs leave room for more rows.
+        let n = match kind {
+            IsaKind::Avx512 => 4,
+            _ => 2,
+        };
+        for (c, chunk) in xs.chunks(n).enumerate() {
+            let cols = c * n..c * n + chunk.len();
+            match (kind, chunk.len()) {
+                (IsaKind::Avx512, 1) => by_rows::<8, 1>(kind, chunk, w, rows.clone(), out, t, cols, table),
+                (IsaKind::Avx512, 2) => by_rows::<6, 2>(kind, chunk, w, rows.clone(), out, t, cols, table),
+                (IsaKind::Avx512, k) => by_len!(k, by_rows::<4>(kind, chunk, w, rows.clone(), out, t, cols, table)),
+                (_, 1) => by_rows::<6, 1>(kind, chunk, w, rows.clone(), out, t, cols, table),
+                (_, k) => by_len!(k, by_rows::<2>(kind, chunk, w, rows.clone(), out, t, cols, table)),
+            }
+        }
+    }
+
+    /// `rows` in tiles of `R` (the tail one row at a time) against exactly `N` inputs, written to
+    /// `out[(r - rows.start) * stride + cols]`.
+    #[allow(clippy::too_many_arguments)]
+    fn by_rows<const R: usize, const N: usize>(
+        kind: IsaKind,
+        xs: &[&[f32]],
+        w: &Mxfp4Matrix,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+        cols: std::ops::Range<usize>,
+        table: &[[f32; 16]; 256],
+    ) {
+        let x: [*const f32; N] = std::array::from_fn(|t| xs[t].as_ptr());
+        let mut r = rows.start;
+        while r < rows.end {
+            let base = (r - rows.start) * stride + cols.start;
+            if rows.end - r >= R {
+                for (i, v) in tile::<R, N>(kind, w, r, x, table).iter().enumerate() {
+                    out[base + i * stride..base + i * stride + N].copy_from_slice(v);
+                }
+                r += R;
+            } else {
+                out[base..base + N].copy_from_slice(&tile::<1, N>(kind, w, r, x, table)[0]);
+                r += 1;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn tile<const R: usize, const N: usize>(
+        kind: IsaKind,
+        w: &Mxfp4Matrix,
+        r: usize,
+        xs: [*const f32; N],
+        table: &[[f32; 16]; 256],
+    ) -> [[f32; N]; R] {
+        let tile = Tile::<R, N> {
+            packed: std::array::from_fn(|i| w.row_bytes(r + i).0.as_ptr()),
+            scales: std::array::from_fn(|i| w.row_bytes(r + i).1.as_ptr()),
+            xs,
+            groups: w.cols / 32,
+            table,
+        };
+        // SAFETY: `kind` comes from an `Isa` (made only after feature detection); every row and
+        // input holds `w.cols` columns (checked by `matmul_mxfp4`).
         unsafe {
-            let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes8 as *const __m128i));
-            let code = if shift == 0 { _mm256_and_si256(b, _mm256_set1_epi32(15)) } else { _mm256_srli_epi32(b, 4) };
-            let m = _mm256_permutevar8x32_ps(mag, _mm256_and_si256(code, _mm256_set1_epi32(7)));
-            let sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28);
-            _mm256_xor_ps(m, _mm256_castsi256_ps(sign))
-        }
-    }
-
-    /// One input: the multi-input kernel with N = 1 (the same code, so the same bits).
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_mxfp4_avx2(xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
-        let mut out = [0f32];
-        // SAFETY: lengths asserted by the caller.
-        unsafe { avx2_n::<1>(&[xp], packed, scales, &mut out) };
-        out[0]
-    }
-
-    /// One input: the multi-input kernel with N = 1.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dot_mxfp4_avx512(xp: &[f32], packed: &[u8], scales: &[u8]) -> f32 {
-        let mut out = [0f32];
-        // SAFETY: lengths asserted by the caller.
-        unsafe { avx512_n::<1>(&[xp], packed, scales, &mut out) };
-        out[0]
-    }
-
-    /// Up to 8 inputs against one row: each group dequantized once (as in `dot_mxfp4_avx512`),
-    /// then the same two FMAs per input into that input's accumulator.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dot_mxfp4_avx512_inputs(xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
-        // SAFETY: lengths checked by the caller; at most 8 inputs.
-        unsafe { by_count!(avx512_n, xs, packed, scales, out, 1 2 3 4 5 6 7; 8) }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    unsafe fn avx512_n<const N: usize>(xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
-        // SAFETY: E2M1 has 16 floats.
-        let lut = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
-        let x: [*const f32; N] = std::array::from_fn(|t| xs[t].as_ptr());
-        let mut acc = [_mm512_setzero_ps(); N];
-        for (g, &s) in scales.iter().enumerate() {
-            let sc = _mm512_set1_ps(e8m0_scale(s));
-            // SAFETY: group g has 16 packed bytes and 32 inputs per x (lengths checked).
-            unsafe {
-                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed.as_ptr().add(16 * g) as *const __m128i));
-                let even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut), sc);
-                let odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), sc);
-                for t in 0..N {
-                    let xt = x[t].add(32 * g);
-                    acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), even, acc[t]);
-                    acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt.add(16)), odd, acc[t]);
-                }
+            match kind {
+                IsaKind::Avx512 => tile_avx512(&tile),
+                _ => tile_avx2(&tile),
             }
-        }
-        for t in 0..N {
-            out[t] = reduce_lanes(&unsafe { store16(acc[t]) });
-        }
-    }
-
-    /// Up to 4 inputs against one row: each group dequantized once (as in `dot_mxfp4_avx2`).
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_mxfp4_avx2_inputs(xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
-        // SAFETY: lengths checked by the caller; at most 4 inputs.
-        unsafe { by_count!(avx2_n, xs, packed, scales, out, 1 2 3; 4) }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn avx2_n<const N: usize>(xs: &[&[f32]], packed: &[u8], scales: &[u8], out: &mut [f32]) {
-        let mag = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
-        let x: [*const f32; N] = std::array::from_fn(|t| xs[t].as_ptr());
-        let (mut lo, mut hi) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
-        for (g, &s) in scales.iter().enumerate() {
-            let sc = _mm256_set1_ps(e8m0_scale(s));
-            // SAFETY: group g has 16 packed bytes and 32 inputs per x (lengths checked).
-            unsafe {
-                let p = packed.as_ptr().add(16 * g);
-                let w_even_lo = _mm256_mul_ps(half_avx2(p, mag, 0), sc);
-                let w_even_hi = _mm256_mul_ps(half_avx2(p.add(8), mag, 0), sc);
-                let w_odd_lo = _mm256_mul_ps(half_avx2(p, mag, 4), sc);
-                let w_odd_hi = _mm256_mul_ps(half_avx2(p.add(8), mag, 4), sc);
-                for t in 0..N {
-                    let xt = x[t].add(32 * g);
-                    lo[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xt), w_even_lo, lo[t]);
-                    hi[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xt.add(8)), w_even_hi, hi[t]);
-                    lo[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xt.add(16)), w_odd_lo, lo[t]);
-                    hi[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xt.add(24)), w_odd_hi, hi[t]);
-                }
-            }
-        }
-        for t in 0..N {
-            out[t] = reduce_lanes(&unsafe { store2(lo[t], hi[t]) });
         }
     }
 }

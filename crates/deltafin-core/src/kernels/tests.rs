@@ -90,6 +90,41 @@ fn one_row_against_many_inputs_equals_each_dot_alone_bitwise() {
 }
 
 #[test]
+fn mxfp4_tiles_equal_each_lone_dot_bitwise() {
+    let mut rng = Rng(21);
+    // 23 rows leave tails after tiles of 8, 6, 4 and 2 rows; 160 columns are 5 groups.
+    let (rows, cols) = (23, 160);
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+    // Scale bytes 0 and 1 make subnormal weights; the rest are spread over ordinary scales.
+    let scales: Vec<u8> = (0..rows * cols / 32).map(|i| if i % 7 == 0 { (i % 2) as u8 } else { 100 + (rng.next() % 50) as u8 }).collect();
+    let w = Mxfp4Matrix::new(rows, cols, &packed, &scales).unwrap();
+    let xs: Vec<Vec<f32>> = (0..13).map(|_| permute_for_mxfp4(&(0..cols).map(|_| rng.f32()).collect::<Vec<_>>())).collect();
+    let lone = |x: &[f32], r: usize| {
+        let (p, s) = w.row_bytes(r);
+        dot_mxfp4(Isa::SCALAR, x, p, s)
+    };
+    // Input counts: every tile width, its tails, and more than one tile of inputs.
+    for n in [1usize, 2, 3, 4, 5, 7, 9, 13] {
+        let refs: Vec<&[f32]> = xs[..n].iter().map(|x| &x[..]).collect();
+        for isa in Isa::available() {
+            for block in [0..rows, 3..rows, 5..6] {
+                let mut out = vec![f32::NAN; block.len() * n];
+                matmul_mxfp4(isa, &refs, &w, block.clone(), &mut out);
+                for (i, r) in block.clone().enumerate() {
+                    for (t, x) in refs.iter().enumerate() {
+                        assert_eq!(
+                            out[i * n + t].to_bits(),
+                            lone(x, r).to_bits(),
+                            "{isa:?}, {n} inputs, rows {block:?}: row {r}, input {t}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn the_cpus_simd_kernels_are_under_test() {
     let isas = Isa::available();
     #[cfg(target_arch = "aarch64")]
