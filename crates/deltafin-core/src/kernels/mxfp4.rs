@@ -168,21 +168,11 @@ impl<'a> Mxfp4Matrix<'a> {
 #[cfg(target_arch = "x86_64")]
 mod tiles {
     use super::*;
+    use crate::kernels::mxfp4_x86::Lanes;
 
-    /// Calls `body!(N)` with the literal matching `$n` (1 to 7).
-    macro_rules! by_len {
-        ($n:expr, $f:ident::<$r:literal>($($a:expr),*)) => {
-            match $n {
-                1 => $f::<$r, 1>($($a),*),
-                2 => $f::<$r, 2>($($a),*),
-                3 => $f::<$r, 3>($($a),*),
-                4 => $f::<$r, 4>($($a),*),
-                5 => $f::<$r, 5>($($a),*),
-                6 => $f::<$r, 6>($($a),*),
-                _ => $f::<$r, 7>($($a),*),
-            }
-        };
-    }
+    /// Bytes of the inputs one K block spans: with the block's weight rows and lane
+    /// accumulators it stays in L1 while every row of the block passes over it.
+    const X_BLOCK_BYTES: usize = 16 << 10;
 
     pub(super) fn run(
         kind: IsaKind,
@@ -193,49 +183,62 @@ mod tiles {
         table: &[[f32; 16]; 256],
     ) {
         let t = xs.len();
-        // Accumulators fill the register file: AVX-512 has 32 vector registers (one per
-        // value), AVX2 16 (two per value); fewer inputs leave room for more rows.
-        let n = match kind {
-            IsaKind::Avx512 => 4,
-            _ => 2,
-        };
+        // Tiles of up to 4 inputs: each decoded group feeds 8 FMAs per row, enough to hide the
+        // decode's shuffles (measured against 6 and 8 inputs, which spill or miss L1 more).
+        let n = 4;
         for (c, chunk) in xs.chunks(n).enumerate() {
             let cols = c * n..c * n + chunk.len();
+            let a = (kind, chunk, w, rows.clone(), &mut *out, t, cols, table);
+            // Accumulators fill the register file: AVX-512 has 32 vector registers, AVX2 16
+            // (its tiles hold one 8-lane half of each value at a time).
             match (kind, chunk.len()) {
-                (IsaKind::Avx512, 1) => by_rows::<8, 1>(kind, chunk, w, rows.clone(), out, t, cols, table),
-                (IsaKind::Avx512, 2) => by_rows::<6, 2>(kind, chunk, w, rows.clone(), out, t, cols, table),
-                (IsaKind::Avx512, k) => by_len!(k, by_rows::<4>(kind, chunk, w, rows.clone(), out, t, cols, table)),
-                (_, 1) => by_rows::<6, 1>(kind, chunk, w, rows.clone(), out, t, cols, table),
-                (_, k) => by_len!(k, by_rows::<2>(kind, chunk, w, rows.clone(), out, t, cols, table)),
+                (IsaKind::Avx512, 1) => by_rows::<8, 1>(a),
+                (IsaKind::Avx512, 2) => by_rows::<6, 2>(a),
+                (IsaKind::Avx512, 3) => by_rows::<4, 3>(a),
+                (IsaKind::Avx512, _) => by_rows::<4, 4>(a),
+                (_, 1) => by_rows::<6, 1>(a),
+                (_, 2) => by_rows::<4, 2>(a),
+                (_, 3) => by_rows::<2, 3>(a),
+                (_, _) => by_rows::<2, 4>(a),
             }
         }
     }
 
-    /// `rows` in tiles of `R` (the tail one row at a time) against exactly `N` inputs, written to
-    /// `out[(r - rows.start) * stride + cols]`.
-    #[allow(clippy::too_many_arguments)]
-    fn by_rows<const R: usize, const N: usize>(
-        kind: IsaKind,
-        xs: &[&[f32]],
-        w: &Mxfp4Matrix,
-        rows: std::ops::Range<usize>,
-        out: &mut [f32],
-        stride: usize,
-        cols: std::ops::Range<usize>,
-        table: &[[f32; 16]; 256],
-    ) {
+    type Args<'a, 'b> = (
+        IsaKind,
+        &'a [&'a [f32]],
+        &'a Mxfp4Matrix<'a>,
+        std::ops::Range<usize>,
+        &'b mut [f32],
+        usize,
+        std::ops::Range<usize>,
+        &'a [[f32; 16]; 256],
+    );
+
+    /// `rows` in tiles of `R` (the tail one row at a time) against exactly `N` inputs, K block by
+    /// K block, written to `out[(r - rows.start) * stride + cols]`.
+    fn by_rows<const R: usize, const N: usize>((kind, xs, w, rows, out, stride, cols, table): Args<'_, '_>) {
         let x: [*const f32; N] = std::array::from_fn(|t| xs[t].as_ptr());
-        let mut r = rows.start;
-        while r < rows.end {
-            let base = (r - rows.start) * stride + cols.start;
-            if rows.end - r >= R {
-                for (i, v) in tile::<R, N>(kind, w, r, x, table).iter().enumerate() {
-                    out[base + i * stride..base + i * stride + N].copy_from_slice(v);
+        let groups = w.cols / 32;
+        let block = (X_BLOCK_BYTES / (N * 32 * 4)).max(4);
+        let mut lanes = vec![[[0f32; LANES]; N]; rows.len()];
+        for g in (0..groups).step_by(block) {
+            let span = g..(g + block).min(groups);
+            let mut i = 0;
+            while i < rows.len() {
+                let r = if rows.len() - i >= R { R } else { 1 };
+                let acc = &mut lanes[i..i + r];
+                if r == R {
+                    tile::<R, N>(kind, w, rows.start + i, x, span.clone(), table, acc.try_into().expect("R rows"));
+                } else {
+                    tile::<1, N>(kind, w, rows.start + i, x, span.clone(), table, acc.try_into().expect("1 row"));
                 }
-                r += R;
-            } else {
-                out[base..base + N].copy_from_slice(&tile::<1, N>(kind, w, r, x, table)[0]);
-                r += 1;
+                i += r;
+            }
+        }
+        for (i, v) in lanes.iter().enumerate() {
+            for (o, acc) in out[i * stride + cols.start..][..N].iter_mut().zip(v) {
+                *o = reduce_lanes(acc);
             }
         }
     }
@@ -246,21 +249,23 @@ mod tiles {
         w: &Mxfp4Matrix,
         r: usize,
         xs: [*const f32; N],
+        groups: std::ops::Range<usize>,
         table: &[[f32; 16]; 256],
-    ) -> [[f32; N]; R] {
+        acc: &mut Lanes<R, N>,
+    ) {
         let tile = Tile::<R, N> {
             packed: std::array::from_fn(|i| w.row_bytes(r + i).0.as_ptr()),
             scales: std::array::from_fn(|i| w.row_bytes(r + i).1.as_ptr()),
             xs,
-            groups: w.cols / 32,
+            groups,
             table,
         };
         // SAFETY: `kind` comes from an `Isa` (made only after feature detection); every row and
-        // input holds `w.cols` columns (checked by `matmul_mxfp4`).
+        // input holds `w.cols` columns (checked by `matmul_mxfp4`), which cover `groups`.
         unsafe {
             match kind {
-                IsaKind::Avx512 => tile_avx512(&tile),
-                _ => tile_avx2(&tile),
+                IsaKind::Avx512 => tile_avx512(&tile, acc),
+                _ => tile_avx2(&tile, acc),
             }
         }
     }

@@ -92,8 +92,9 @@ fn one_row_against_many_inputs_equals_each_dot_alone_bitwise() {
 #[test]
 fn mxfp4_tiles_equal_each_lone_dot_bitwise() {
     let mut rng = Rng(21);
-    // 23 rows leave tails after tiles of 8, 6, 4 and 2 rows; 160 columns are 5 groups.
-    let (rows, cols) = (23, 160);
+    // 23 rows leave tails after tiles of 8, 6, 4 and 2 rows; 1312 columns are 41 groups, cut
+    // into K blocks of 32 groups (4 inputs), 42 (3) or more, with a partial last block.
+    let (rows, cols) = (23, 1312);
     let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
     // Scale bytes 0 and 1 make subnormal weights; the rest are spread over ordinary scales.
     let scales: Vec<u8> = (0..rows * cols / 32).map(|i| if i % 7 == 0 { (i % 2) as u8 } else { 100 + (rng.next() % 50) as u8 }).collect();
@@ -104,7 +105,7 @@ fn mxfp4_tiles_equal_each_lone_dot_bitwise() {
         dot_mxfp4(Isa::SCALAR, x, p, s)
     };
     // Input counts: every tile width, its tails, and more than one tile of inputs.
-    for n in [1usize, 2, 3, 4, 5, 7, 9, 13] {
+    for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
         let refs: Vec<&[f32]> = xs[..n].iter().map(|x| &x[..]).collect();
         for isa in Isa::available() {
             for block in [0..rows, 3..rows, 5..6] {

@@ -11,7 +11,7 @@ use super::loader::Loader;
 use crate::backend::Backend;
 use crate::config::{ExpertShape, K3Config};
 use crate::error::{Error, Result};
-use crate::kernels::{dot_mxfp4_inputs, permute_for_mxfp4, Isa, Mxfp4Matrix};
+use crate::kernels::{matmul_mxfp4, permute_for_mxfp4, Isa, Mxfp4Matrix};
 use crate::math::{sigmoid, situ};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
@@ -155,55 +155,33 @@ impl ExpertLayout {
 
 /// Weight rows per parallel task in [`expert_forward`].
 const ROW_BLOCK: usize = 32;
-/// Token rows walked together by a block of weight rows: their inputs (32 x 14 KB at K3's
-/// width) stay in L2 while the block's rows pass over them.
-const TOKEN_TILE: usize = 32;
 
 /// One expert applied to some latent rows: `w2(situ(w3 z, w1 z))`, straight from its bytes.
 pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
     let [w1, w2, w3] = layout.matrices(bytes)?;
     let (inter, latent) = (layout.shape.inter, layout.shape.latent);
-    // Each weight row is read once for all token rows, its groups dequantized once for all of
-    // them; every value is still one fixed-order dot (`dot_mxfp4_inputs`).
+    // Rows go to threads in blocks; `matmul_mxfp4` walks a block in register tiles that decode
+    // each weight group once for several token rows and cache-blocks a prompt's inputs. Every
+    // value is still its one fixed-order dot, whatever the number of tokens.
     let t = z.rows;
     let zp: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(z.row(i))).collect();
     let zr: Vec<&[f32]> = zp.iter().map(|x| &x[..]).collect();
-    // Row-major `[row][token]` outputs written in place: no allocation per weight row. Rows go
-    // to threads in blocks, and a block walks the tokens a tile at a time, so a long prompt's
-    // inputs are read from cache by every row of the block instead of streaming through it
-    // once per row (each value is still the same single dot).
+    // Row-major `[row][token]` outputs written in place.
     let mut act = vec![0f32; inter * t];
     act.par_chunks_mut(t * ROW_BLOCK).enumerate().for_each(|(b, act)| {
-        let mut up = [0f32; 8];
-        for tile in (0..t).step_by(TOKEN_TILE) {
-            let tile_end = (tile + TOKEN_TILE).min(t);
-            for (i, act) in act.chunks_mut(t).enumerate() {
-                let r = b * ROW_BLOCK + i;
-                let ((p3, s3), (p1, s1)) = (w3.row_bytes(r), w1.row_bytes(r));
-                for (zr, act) in zr[tile..tile_end].chunks(8).zip(act[tile..tile_end].chunks_mut(8)) {
-                    let up = &mut up[..zr.len()];
-                    dot_mxfp4_inputs(isa, zr, p3, s3, act);
-                    dot_mxfp4_inputs(isa, zr, p1, s1, up);
-                    for (a, &u) in act.iter_mut().zip(up.iter()) {
-                        *a = situ(*a, u, cfg.situ_beta, cfg.situ_linear_beta);
-                    }
-                }
-            }
+        let rows = b * ROW_BLOCK..b * ROW_BLOCK + act.len() / t;
+        let mut up = vec![0f32; act.len()];
+        matmul_mxfp4(isa, &zr, &w3, rows.clone(), act);
+        matmul_mxfp4(isa, &zr, &w1, rows, &mut up);
+        for (a, &u) in act.iter_mut().zip(&up) {
+            *a = situ(*a, u, cfg.situ_beta, cfg.situ_linear_beta);
         }
     });
     let ap: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(&(0..inter).map(|r| act[r * t + i]).collect::<Vec<_>>())).collect();
     let ar: Vec<&[f32]> = ap.iter().map(|x| &x[..]).collect();
     let mut y = vec![0f32; latent * t];
     y.par_chunks_mut(t * ROW_BLOCK).enumerate().for_each(|(b, y)| {
-        for tile in (0..t).step_by(TOKEN_TILE) {
-            let tile_end = (tile + TOKEN_TILE).min(t);
-            for (i, y) in y.chunks_mut(t).enumerate() {
-                let (p, s) = w2.row_bytes(b * ROW_BLOCK + i);
-                for (ar, y) in ar[tile..tile_end].chunks(8).zip(y[tile..tile_end].chunks_mut(8)) {
-                    dot_mxfp4_inputs(isa, ar, p, s, y);
-                }
-            }
-        }
+        matmul_mxfp4(isa, &ar, &w2, b * ROW_BLOCK..b * ROW_BLOCK + y.len() / t, y);
     });
     let mut out = Mat::zeros(z.rows, latent);
     for i in 0..t {
