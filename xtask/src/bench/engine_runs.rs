@@ -3,8 +3,13 @@
 
 use std::path::Path;
 
+use std::sync::Arc;
+
 use anyhow::Result;
+use deltafin_core::Cpu;
 use deltafin_sched::{CachePolicy, EngineBuilder, GenerateOptions, Stats};
+
+use super::flops::{Rates, Tally};
 
 /// Prompt ids spread over the vocabulary, deterministic.
 pub fn prompt(n: usize, vocab: u32) -> Vec<u32> {
@@ -45,13 +50,28 @@ pub fn generate(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize) -> Re
 /// The same generation with every weight in RAM (the checkpoint's memory maps, page cache warmed
 /// by a first run): what the computation alone costs.
 pub fn in_ram(ckpt: &Path, prompt: &[u32], new: usize) -> Result<Stats> {
-    let model = EngineBuilder::new(ckpt).context(prompt.len() + new + 8).open()?;
+    Ok(in_ram_tallied(ckpt, prompt, new, None)?.0)
+}
+
+/// [`in_ram`], its matrix products tallied by a [`Tally`] built on `rates` (when given): the
+/// stats, the FLOPs counted in the measured run and their time at the rates.
+pub fn in_ram_tallied(ckpt: &Path, prompt: &[u32], new: usize, rates: Option<&Rates>) -> Result<(Stats, u64, f64)> {
+    let tally = rates.map(|r| Arc::new(Tally::new(Cpu::best(), r.clone())));
+    let mut b = EngineBuilder::new(ckpt).context(prompt.len() + new + 8);
+    if let Some(t) = &tally {
+        b = b.backend(t.clone());
+    }
+    let model = b.open()?;
     let run = || {
         let mut seq = model.new_sequence();
         model.engine().generate(&mut seq, prompt, &GenerateOptions::new(new), |_| true)
     };
     run()?;
-    Ok(run()?)
+    if let Some(t) = &tally {
+        t.reset();
+    }
+    let stats = run()?;
+    Ok((stats, tally.as_ref().map_or(0, |t| t.flops()), tally.as_ref().map_or(0.0, |t| t.ideal_s())))
 }
 
 /// min, median, max.
@@ -221,12 +241,24 @@ pub struct PrefillResult {
     pub limit: Vec<f64>,
     /// Per repeat: TTFT / (distinct bytes at that repeat's device limit + compute-only TTFT).
     pub vs_bound: Vec<f64>,
+    /// FLOPs of the prompt's matrix products (compute-only run).
+    pub flops: u64,
+    /// Those products' time at this machine's kernel rates, measured in the same run.
+    pub flop_bound_s: f64,
+    /// Per repeat: TTFT / max(distinct bytes at that repeat's device limit, `flop_bound_s`).
+    pub vs_max_bound: Vec<f64>,
 }
 
 /// Prefill results; like decode, each repeat is judged against its own bracketing device limit.
-pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -> Result<Vec<PrefillResult>> {
+pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) -> Result<(Vec<PrefillResult>, Rates)> {
     let lengths: &[usize] = if quick { &[64] } else { &[64, 256, 512] };
     let repeats = if quick { 1 } else { 2 };
+    let rates = Rates::measure(Cpu::best());
+    eprintln!(
+        "kernel rates (GFLOP/s at 1, 8, 64, 512 rows): MXFP4 {:.0?}, BF16 {:.0?}",
+        rates.mxfp4.map(|r| r / 1e9),
+        rates.bf16.map(|r| r / 1e9)
+    );
     let mut out = Vec::new();
     for &n in lengths {
         let p = prompt(n, vocab);
@@ -238,13 +270,15 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
         // Amplification is against the distinct experts the *whole* prompt routes per layer,
         // which the expert-major pass (first) measures.
         let mut distinct: Option<u64> = None;
-        let compute_s = in_ram(ckpt, &p, 1)?.ttft_s;
+        let (compute, flops, flop_bound_s) = in_ram_tallied(ckpt, &p, 1, Some(&rates))?;
+        let compute_s = compute.ttft_s;
         for (name, chunk) in schedules {
             if chunk == Some(64) && n <= 64 {
                 continue;
             }
             let c = RunConfig { label: name.into(), budget, prefetch: false, policy: CachePolicy::NextUse, chunk, read_cap: None };
-            let mut r = PrefillResult { tokens: n, schedule: name.into(), ids_equal: true, compute_s, ..Default::default() };
+            let mut r =
+                PrefillResult { tokens: n, schedule: name.into(), ids_equal: true, compute_s, flops, flop_bound_s, ..Default::default() };
             let reps = if chunk == Some(1) { 1 } else { repeats };
             for _ in 0..reps {
                 let ((ids, s), limit) = bracketed(store, || generate(store, &c, &p, 1))?;
@@ -259,6 +293,7 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
                 r.amplification = s.expert_bytes_read_prefill as f64 / d.max(1) as f64;
                 r.limit.push(limit);
                 r.vs_bound.push(s.ttft_s / (d as f64 / limit + compute_s));
+                r.vs_max_bound.push(s.ttft_s / (d as f64 / limit).max(flop_bound_s));
             }
             eprintln!(
                 "prefill {n} tokens, {name}: TTFT {:?} s, amplification {:.2}, {:?}x the bound",
@@ -267,5 +302,5 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
             out.push(r);
         }
     }
-    Ok(out)
+    Ok((out, rates))
 }

@@ -10,6 +10,7 @@ mod batch;
 mod capped;
 mod device;
 mod engine_runs;
+mod flops;
 mod k3;
 mod ladder;
 mod spec;
@@ -252,23 +253,29 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         json.insert(file.replace('-', "_"), decode_json(&d, compute_step));
     }
     if matches!(which, Which::Prefill | Which::All) {
-        let p = engine_runs::prefill(&store, &ckpt, vocab, budget, quick)?;
+        let (p, rates) = engine_runs::prefill(&store, &ckpt, vocab, budget, quick)?;
+        let gf = |t: [f64; 4]| t.map(|r| format!("{:.0}", r / 1e9)).join(" / ");
         let mut md = format!(
-            "## Prefill\n\n`cargo xtask bench prefill{q}` — `slice` store, RAM budget {:.1} GB (far below the 4.2 GB of experts). Each repeat is bracketed by its own device-limit measurement (QD 4, right before and after). Amplification = expert bytes read during prefill / bytes of the distinct experts the whole prompt routes per layer. *vs bound* = TTFT / (distinct bytes at that repeat's device limit + compute-only TTFT, everything in RAM).\n\n| prompt tokens | schedule | TTFT s (min / median / max) | device limit MB/s (median) | read GB | amplification | compute-only s | vs bound min / median / max | same first token |\n|---|---|---|---|---|---|---|---|---|\n",
+            "## Prefill\n\n`cargo xtask bench prefill{q}` — `slice` store, RAM budget {:.1} GB (far below the 4.2 GB of experts). Each repeat is bracketed by its own device-limit measurement (QD 4, right before and after). Amplification = expert bytes read during prefill / bytes of the distinct experts the whole prompt routes per layer. *vs bound* = TTFT / (distinct bytes at that repeat's device limit + compute-only TTFT, everything in RAM). *FLOP bound* = the prompt's matrix products (experts and BF16 spine; attention scores and KDA steps not counted, so the bound is strict) each timed at the rate the kernels reach for that many rows on K3's expert shape, measured in the same run: MXFP4 {} GFLOP/s and BF16 {} GFLOP/s at 1 / 8 / 64 / 512 rows. *vs max bound* = TTFT / max(distinct bytes at the device limit, FLOP bound).\n\n| prompt tokens | schedule | TTFT s (min / median / max) | device limit MB/s (median) | read GB | amplification | compute-only s | vs bound min / median / max | product GFLOP | FLOP bound s | vs max bound (median) | same first token |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             budget as f64 / 1e9,
+            gf(rates.mxfp4),
+            gf(rates.bf16),
         );
         for r in &p {
             let (a, b, c) = engine_runs::spread(&r.ttft_s);
             let (va, vb, vc) = engine_runs::spread(&r.vs_bound);
             writeln!(
                 md,
-                "| {} | {} | {a:.1} / {b:.1} / {c:.1} | {:.0} | {:.2} | {:.2} | {:.1} | {va:.2}x / {vb:.2}x / {vc:.2}x | {} |",
+                "| {} | {} | {a:.1} / {b:.1} / {c:.1} | {:.0} | {:.2} | {:.2} | {:.1} | {va:.2}x / {vb:.2}x / {vc:.2}x | {:.0} | {:.1} | {:.2}x | {} |",
                 r.tokens,
                 r.schedule,
                 mb(engine_runs::spread(&r.limit).1),
                 r.bytes_read as f64 / 1e9,
                 r.amplification,
                 r.compute_s,
+                r.flops as f64 / 1e9,
+                r.flop_bound_s,
+                engine_runs::spread(&r.vs_max_bound).1,
                 r.ids_equal
             )?;
         }
@@ -284,7 +291,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         )?;
         md += "\n![prefill](bench/prefill.svg)\n";
         std::fs::write(bench_dir.join("prefill.md"), md)?;
-        json.insert("prefill".into(), json!(p.iter().map(|r| json!({"tokens": r.tokens, "schedule": r.schedule, "ttft_s": r.ttft_s, "bytes_read": r.bytes_read, "distinct_bytes": r.distinct_bytes, "amplification": r.amplification, "compute_only_s": r.compute_s, "device_limit": r.limit, "vs_bound": r.vs_bound, "ids_equal": r.ids_equal})).collect::<Vec<_>>()));
+        json.insert("prefill".into(), json!(p.iter().map(|r| json!({"tokens": r.tokens, "schedule": r.schedule, "ttft_s": r.ttft_s, "bytes_read": r.bytes_read, "distinct_bytes": r.distinct_bytes, "amplification": r.amplification, "compute_only_s": r.compute_s, "device_limit": r.limit, "vs_bound": r.vs_bound, "flops": r.flops, "flop_bound_s": r.flop_bound_s, "vs_max_bound": r.vs_max_bound, "ids_equal": r.ids_equal})).collect::<Vec<_>>()));
     }
     if matches!(which, Which::Batch | Which::All) {
         std::fs::write(bench_dir.join("batch.md"), batch::run(&store, budget, vocab, quick)?)?;

@@ -4,11 +4,13 @@
 //! [`dot_bf16`] (several token rows share each widened weight row through [`dot_bf16_inputs`];
 //! with fewer token rows than that, several weight rows share each input through
 //! [`dot_bf16_rows`]; each value still accumulated exactly as alone), so the result is identical
-//! for any thread count and any number of token rows.
+//! for any thread count and any number of token rows. On x86 a prompt's token rows go through
+//! K-blocked register tiles (`bf16_x86`): several weight rows by several token rows, each
+//! widened weight shared by the token rows and each loaded input by the weight rows.
 
 use rayon::prelude::*;
 
-use super::dot::{dot_bf16_inputs, dot_bf16_rows, Isa};
+use super::dot::{dot_bf16_inputs, dot_bf16_rows, Isa, IsaKind};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
@@ -50,6 +52,13 @@ pub fn matmul_bf16_with(isa: Isa, x: &Mat, w: &Bf16Matrix) -> Mat {
                     for (ti, xr) in (tile..end).zip(&xs) {
                         dot_bf16_rows(isa, xr, &ws, &mut block[ti * (r1 - r0)..(ti + 1) * (r1 - r0)]);
                     }
+                    continue;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if matches!(isa.kind(), IsaKind::Avx2 | IsaKind::Avx512) {
+                    // SAFETY: `isa` was made after feature detection; every row holds
+                    // `2 * x.cols` bytes (a `Bf16Matrix` of `x.cols` columns, checked above).
+                    unsafe { super::bf16_x86::block(isa.kind() == IsaKind::Avx512, &xs, &ws, x.cols, &mut block[tile * (r1 - r0)..]) };
                     continue;
                 }
                 for (r, wr) in (r0..r1).zip(&ws) {

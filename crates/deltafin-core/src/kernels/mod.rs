@@ -6,6 +6,8 @@
 //! same IEEE operations in the same order, so they agree bit for bit (tested), and an output value
 //! never depends on how many rows are computed together, the thread count, or the CPU.
 
+#[cfg(target_arch = "x86_64")]
+mod bf16_x86;
 mod dot;
 mod matmul;
 mod mxfp4;

@@ -152,17 +152,22 @@ fn e8m0_and_e2m1_decode() {
 fn matmul_rows_are_batch_and_isa_invariant() {
     let mut rng = Rng(3);
     // 13 token rows: groups of eight and four share a weight row, one is left alone; 56 columns
-    // leave a tail of 8 past the 16-lane blocks.
-    let (t, rows, cols) = (13, 70, 56);
-    let x = Mat::from_vec(t, cols, (0..t * cols).map(|_| rng.f32()).collect());
-    let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
-    let w = Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(&w)), rows, cols);
-    let full = matmul_bf16_with(Isa::SCALAR, &x, &w);
-    for isa in Isa::available() {
-        assert_eq!(matmul_bf16_with(isa, &x, &w), full);
-        for r in 0..t {
-            let one = matmul_bf16_with(isa, &x.rows_range(r, 1), &w);
-            assert_eq!(one.row(0), full.row(r), "row {r} alone differs ({isa:?})");
+    // leave a tail of 8 past the 16-lane blocks. 45 token rows span two token tiles; 1048
+    // columns cross the prompt tiles' K blocks (512 or 1024 columns) with a partial last block
+    // and a tail; 37 weight rows leave a row past the 2-row tiles.
+    for (t, rows, cols) in [(13, 70, 56), (45, 37, 1048)] {
+        let x = Mat::from_vec(t, cols, (0..t * cols).map(|_| rng.f32()).collect());
+        let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
+        let w = Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(&w)), rows, cols);
+        let full = matmul_bf16_with(Isa::SCALAR, &x, &w);
+        let bits = |m: &Mat| m.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for isa in Isa::available() {
+            assert_eq!(bits(&matmul_bf16_with(isa, &x, &w)), bits(&full), "{isa:?}, {t} x {cols}");
+            for r in 0..t {
+                let one = matmul_bf16_with(isa, &x.rows_range(r, 1), &w);
+                let lone: Vec<u32> = one.row(0).iter().map(|v| v.to_bits()).collect();
+                assert_eq!(lone, full.row(r).iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "row {r} alone differs ({isa:?})");
+            }
         }
     }
 }
