@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use super::dot::{dot_bf16_inputs, dot_bf16_rows, Isa, IsaKind};
+use super::dot::{dot_bf16_inputs, dot_bf16_rows, Isa};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
@@ -55,10 +55,12 @@ pub fn matmul_bf16_with(isa: Isa, x: &Mat, w: &Bf16Matrix) -> Mat {
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
-                if matches!(isa.kind(), IsaKind::Avx2 | IsaKind::Avx512) {
+                if let kind @ (super::dot::IsaKind::Avx2 | super::dot::IsaKind::Avx512) = isa.kind() {
                     // SAFETY: `isa` was made after feature detection; every row holds
                     // `2 * x.cols` bytes (a `Bf16Matrix` of `x.cols` columns, checked above).
-                    unsafe { super::bf16_x86::block(isa.kind() == IsaKind::Avx512, &xs, &ws, x.cols, &mut block[tile * (r1 - r0)..]) };
+                    unsafe {
+                        super::bf16_x86::block(kind == super::dot::IsaKind::Avx512, &xs, &ws, x.cols, &mut block[tile * (r1 - r0)..])
+                    };
                     continue;
                 }
                 for (r, wr) in (r0..r1).zip(&ws) {

@@ -183,8 +183,9 @@ mod tiles {
         table: &[[f32; 16]; 256],
     ) {
         let t = xs.len();
-        // Tiles of up to 4 inputs: each decoded group feeds 8 FMAs per row, enough to hide the
-        // decode's shuffles (measured against 6 and 8 inputs, which spill or miss L1 more).
+        // Tiles of up to 4 inputs: each decoded group feeds 8 FMAs per row against the decode's
+        // 3-4 shuffles, and 4 rows x 4 inputs of accumulators leave AVX-512 room for the inputs
+        // (6 and 8 inputs were tried by hand this session and were not faster).
         let n = 4;
         for (c, chunk) in xs.chunks(n).enumerate() {
             let cols = c * n..c * n + chunk.len();
