@@ -3,7 +3,8 @@
 //! read bandwidth (a 1 GiB sum on every core); then an MXFP4 expert matrix (w1: 3072 x 3584)
 //! and a BF16 matrix of the same shape at n = 1, 8, 64, 512 token rows on the engine's
 //! row-parallel split (at n = 512 also the split before token tiling, as a baseline in the same
-//! run), and a 7168 x 7168 BF16 GEMV from DRAM. Throughput is in elements =
+//! run), and from DRAM (working sets past the last-level cache): a 7168 x 7168 BF16 GEMV and the
+//! expert matrix at n = 1. Throughput is in elements =
 //! FLOPs (bytes for the bandwidth case), so criterion's `thrpt` reads as GFLOP/s;
 //! `cargo xtask bench kernels` turns the estimates into fractions of the measured peaks.
 //!
@@ -121,6 +122,12 @@ fn bench(c: &mut Criterion) {
     let packed = bytes(ROWS * COLS / 2, 3, 0, 256);
     let scales = bytes(ROWS * COLS / 32, 5, 110, 30);
     let bf16 = Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(ROWS * COLS, 9)), ROWS, COLS);
+    // Working sets past the last-level cache (1 GiB; this bench's machines have up to 300 MB of
+    // L3): 10 GEMV matrices, and 192 copies of the expert matrix (each its own bytes).
+    let gemvs: Vec<Bf16Matrix> =
+        (0..10).map(|k| Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(7168 * 7168, 17 + k)), 7168, 7168)).collect();
+    let cold: Vec<(Vec<u8>, Vec<u8>)> =
+        (0..192u64).map(|k| (bytes(ROWS * COLS / 2, 3 + k, 0, 256), bytes(ROWS * COLS / 32, 5 + k, 110, 30))).collect();
     let mut g = c.benchmark_group("k3 shapes");
     g.sample_size(10);
     for isa in isas() {
@@ -192,21 +199,44 @@ fn bench(c: &mut Criterion) {
                 });
             }
         }
-        // A GEMV whose 103 MB matrix comes from DRAM every time.
+        // A GEMV from DRAM: each iteration takes the next of several 103 MB matrices, together
+        // well past any last-level cache (one matrix alone fits some machines' L3).
         let d = 7168;
-        let gemv = Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(d * d, 17)), d, d);
         let x = Mat::from_vec(1, d, floats(d, 19));
+        let mut next = 0;
         g.throughput(Throughput::Bytes((d * d * 2) as u64));
-        g.bench_function(BenchmarkId::new(format!("bf16 gemv 7168 {name}"), 1), |b| b.iter(|| matmul_bf16_with(isa, &x, &gemv)));
+        g.bench_function(BenchmarkId::new(format!("bf16 gemv 7168 {name}"), 1), |b| {
+            b.iter(|| {
+                next = (next + 1) % gemvs.len();
+                matmul_bf16_with(isa, &x, &gemvs[next])
+            })
+        });
         // The previous GEMV, in the same run: one lone dot per weight row.
         g.bench_function(BenchmarkId::new(format!("bf16 gemv 7168 lone dots {name}"), 1), |b| {
             b.iter(|| {
+                next = (next + 1) % gemvs.len();
+                let gemv = &gemvs[next];
                 let mut out = vec![0f32; d];
                 out.par_chunks_mut(32).enumerate().for_each(|(blk, o)| {
                     for (i, o) in o.iter_mut().enumerate() {
                         *o = dot_bf16(isa, x.row(0), gemv.row(32 * blk + i));
                     }
                 });
+                out
+            })
+        });
+        // A decode-sized expert matrix from DRAM, as the engine meets one (just read from a
+        // drive, or cached long ago): each iteration takes the next of many w1-sized matrices.
+        let x1 = [permute_for_mxfp4(&floats(COLS, 11))];
+        let x1: Vec<&[f32]> = x1.iter().map(|x| &x[..]).collect();
+        g.throughput(Throughput::Elements((2 * ROWS * COLS) as u64));
+        g.bench_function(BenchmarkId::new(format!("mxfp4 from dram {name}"), 1), |b| {
+            b.iter(|| {
+                next = (next + 1) % cold.len();
+                let (p, s) = &cold[next];
+                let w = Mxfp4Matrix::new(ROWS, COLS, p, s).expect("w1 shape");
+                let mut out = vec![0f32; ROWS];
+                out.par_chunks_mut(32).enumerate().for_each(|(b, o)| matmul_mxfp4(isa, &x1, &w, 32 * b..32 * b + 32, o));
                 out
             })
         });

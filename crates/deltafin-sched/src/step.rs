@@ -236,12 +236,13 @@ impl Engine {
         let model = self.model();
         let cfg = model.config();
         let routes = model.route(l, x);
-        let z = model.moe_latent_in(l, x);
         let mut combine = MoeCombine::new(routes, cfg.latent_size);
         let wanted = combine.expert_rows();
         report.distinct_expert_bytes += wanted.len() as u64 * self.experts().expert_bytes();
         let expert_ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
         let rx = self.experts().request(l, &expert_ids, Priority::Demand);
+        // The misses are asked for first, so every product below runs while the drives read.
+        let z = model.moe_latent_in(l, x);
         // The shared experts need no reads: run them while the routed ones arrive.
         let shared = model.moe_shared(l, x);
         let layout = self.experts().layout(l);

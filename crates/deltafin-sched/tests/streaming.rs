@@ -129,6 +129,42 @@ fn corrupt_expert_is_an_error_naming_expert_and_file() {
 }
 
 #[test]
+fn a_corrupt_stripe_is_an_error_naming_its_drive_however_its_parts_land() {
+    use deltafin_store::{DriveFacts, Placement};
+    // Each stripe is checked on its own as its parts land (in order or not, with one reader
+    // thread per drive or several): one flipped byte in any stripe names that stripe's file.
+    for stripe in [0usize, 2] {
+        for queue_depth in [1, 3] {
+            let tmp = tempfile::tempdir().unwrap();
+            let out = tmp.path().join("store");
+            let dirs: Vec<PathBuf> = (0..3).map(|h| tmp.path().join(format!("drive{h}"))).collect();
+            let facts = [136e6, 71e6, 57e6].iter().map(|&r| DriveFacts { capacity: None, rate: Some(r) }).collect();
+            setup(&SetupOptions::new(fixture(), &out).homes(dirs).placement(Placement::Striped).drives(facts), &NoProgress).unwrap();
+            let m = deltafin_store::Manifest::read(&out).unwrap();
+            // Expert 20 of layer 1 is routed by the prompt's first token (fixture reference.json).
+            let e = m.experts.iter().find(|e| e.layer == 1 && e.expert == 20).unwrap();
+            let c = &e.copies[stripe];
+            let path = m.copy_path(c);
+            let mut bytes = std::fs::read(&path).unwrap();
+            let (_, len) = c.range(e.len);
+            bytes[(c.offset + len - 1) as usize] ^= 0x5a;
+            std::fs::write(&path, bytes).unwrap();
+            let model = EngineBuilder::new(&out).split_reads_min(8192).queue_depth(queue_depth).open().unwrap();
+            let mut seq = model.new_sequence();
+            let err = model
+                .engine()
+                .forward(&mut seq, PROMPT, deltafin_sched::LogitRows::Last)
+                .expect_err("a corrupt stripe must not pass silently")
+                .to_string();
+            assert!(
+                err.contains("expert 1/20") && err.contains(&path.display().to_string()) && err.contains("checksum"),
+                "stripe {stripe}, queue depth {queue_depth}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
 fn truncated_pack_is_found_by_doctor_and_fails_cleanly() {
     let tmp = tempfile::tempdir().unwrap();
     let store = make_store(tmp.path(), 1, 1, ExpertLayoutKind::Packs);

@@ -235,6 +235,18 @@ pub(crate) mod x86 {
         std::array::from_fn(|j| dot_bf16_scalar(xs[j], w, n, unsafe { store2(lo[j], hi[j]) }))
     }
 
+    /// Asks for the line `ahead` bytes past each row's position: in a matrix, the same
+    /// columns of the rows the next call takes. Rows of a few KB end before the hardware
+    /// prefetcher ramps up, so decode-sized products over weights from DRAM would wait on each
+    /// line (a prefetch never faults, so past the matrix's end is harmless).
+    #[inline(always)]
+    pub(crate) fn prefetch_rows(ws: &[&[u8]], ahead: usize) {
+        for w in ws {
+            // SAFETY: a prefetch reads nothing into the program and never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().wrapping_add(ahead) as *const i8) };
+        }
+    }
+
     /// One input against `N` BF16 rows: the input loaded once, `N` chains of two accumulators.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn dot_bf16_rows_avx2<const N: usize>(x: &[f32], ws: &[&[u8]]) -> [f32; N] {
@@ -242,9 +254,13 @@ pub(crate) mod x86 {
         let mut lo = [_mm256_setzero_ps(); N];
         let mut hi = [_mm256_setzero_ps(); N];
         let mut i = 0;
+        let ahead = N * 2 * x.len();
         while i < n {
             // SAFETY: i + 16 <= x.len() and every row has 2 bytes per element (caller checked).
             unsafe {
+                if i.is_multiple_of(32) {
+                    prefetch_rows(ws, ahead + 2 * i);
+                }
                 let (xl, xh) = (_mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(x.as_ptr().add(i + 8)));
                 for j in 0..N {
                     lo[j] = _mm256_fmadd_ps(xl, bf16x8(ws[j].as_ptr().add(2 * i)), lo[j]);
@@ -325,9 +341,13 @@ pub(crate) mod x86 {
         let n = x.len() / LANES * LANES;
         let mut acc = [_mm512_setzero_ps(); N];
         let mut i = 0;
+        let ahead = N * 2 * x.len();
         while i < n {
             // SAFETY: i + 16 <= x.len(); 32 bytes of each row readable.
             unsafe {
+                if i.is_multiple_of(32) {
+                    prefetch_rows(ws, ahead + 2 * i);
+                }
                 let xv = _mm512_loadu_ps(x.as_ptr().add(i));
                 for j in 0..N {
                     let h = _mm256_loadu_si256(ws[j].as_ptr().add(2 * i) as *const __m256i);

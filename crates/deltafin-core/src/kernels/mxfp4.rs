@@ -260,6 +260,7 @@ mod tiles {
             xs,
             groups,
             table,
+            ahead: (R * w.cols / 2, R * w.cols / 32),
         };
         // SAFETY: `kind` comes from an `Isa` (made only after feature detection); every row and
         // input holds `w.cols` columns (checked by `matmul_mxfp4`), which cover `groups`.

@@ -26,6 +26,30 @@ pub(super) struct Tile<'a, const R: usize, const N: usize> {
     pub groups: std::ops::Range<usize>,
     /// `[256][16]` pre-scaled E2M1 values (`scaled_e2m1`).
     pub table: &'a [[f32; 16]; 256],
+    /// Bytes from each row's codes (and scales) to the same group of the next tile's row: the
+    /// tile asks for those lines while it computes. A row is a few KB, too short for the
+    /// hardware prefetcher to ramp up on before it ends, so a decode-sized tile over weights
+    /// from DRAM would otherwise wait on each line (prefetches never fault, so past the end of
+    /// the matrix is harmless).
+    pub ahead: (usize, usize),
+}
+
+/// Asks for the next tile's lines of group `g`: one line of codes per row every 4 groups, one
+/// line of scales every 64.
+#[inline(always)]
+fn prefetch_next<const R: usize, const N: usize>(tile: &Tile<'_, R, N>, g: usize) {
+    if g.is_multiple_of(4) {
+        for r in 0..R {
+            // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults,
+            // whatever the address (SSE is part of x86-64).
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(tile.packed[r].wrapping_add(tile.ahead.0 + 16 * g) as *const i8);
+                if g.is_multiple_of(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(tile.scales[r].wrapping_add(tile.ahead.1 + g) as *const i8);
+                }
+            }
+        }
+    }
 }
 
 /// Lane accumulators of one tile's values, `[row][input][lane]`.
@@ -42,6 +66,7 @@ pub(super) unsafe fn tile_avx512<const R: usize, const N: usize>(tile: &Tile<'_,
     for g in tile.groups.clone() {
         // SAFETY: group g is inside every operand (caller's contract).
         unsafe {
+            prefetch_next(tile, g);
             let xe: [__m512; N] = std::array::from_fn(|t| _mm512_loadu_ps(tile.xs[t].add(32 * g)));
             let xo: [__m512; N] = std::array::from_fn(|t| _mm512_loadu_ps(tile.xs[t].add(32 * g + 16)));
             for r in 0..R {
@@ -106,6 +131,9 @@ pub(super) unsafe fn tile_avx2<const R: usize, const N: usize>(tile: &Tile<'_, R
         for g in tile.groups.clone() {
             // SAFETY: group g is inside every operand (caller's contract).
             unsafe {
+                if h == 0 {
+                    prefetch_next(tile, g);
+                }
                 let xe: [__m256; N] = std::array::from_fn(|t| _mm256_loadu_ps(tile.xs[t].add(32 * g + 8 * h)));
                 let xo: [__m256; N] = std::array::from_fn(|t| _mm256_loadu_ps(tile.xs[t].add(32 * g + 16 + 8 * h)));
                 for r in 0..R {

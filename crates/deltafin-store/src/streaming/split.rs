@@ -48,6 +48,19 @@ pub(super) struct PartRef {
     pub(super) split: u64,
 }
 
+/// Whether `e` is checked stripe by stripe: every copy is a stripe with its own checksum (the
+/// stripes cover the expert exactly, which the manifest checks, so all passing is the whole
+/// expert passing).
+fn by_stripes(e: &crate::manifest::ExpertEntry) -> bool {
+    !e.copies.is_empty() && e.copies.iter().all(|c| c.stripe.is_some())
+}
+
+/// The stripe (copy index) holding expert byte `at`; a part never straddles stripes (each is
+/// cut inside one).
+fn stripe_holding(e: &crate::manifest::ExpertEntry, at: u64) -> Option<usize> {
+    e.copies.iter().position(|c| c.stripe.as_ref().is_some_and(|s| (s.start..s.start + s.len).contains(&at)))
+}
+
 /// Numbers split reads; unique for the life of the process.
 static NEXT_SPLIT: AtomicU64 = AtomicU64::new(0);
 
@@ -57,6 +70,16 @@ pub(super) struct Split {
     parts: Vec<Part>,
     buf: Option<Arc<AlignedBuf>>,
     allocating: bool,
+    /// A striped expert's running checks, one per stripe (copy); empty for other reads.
+    stripes: Vec<StripeCheck>,
+}
+
+/// The running checksum of one stripe, fed its parts in order as they land.
+struct StripeCheck {
+    /// `None` while a reader thread is feeding it (or once the stripe is checked).
+    hasher: Option<Box<xxhash_rust::xxh3::Xxh3>>,
+    /// Stripe bytes fed so far, from the stripe's start.
+    fed_to: u64,
 }
 
 impl Split {
@@ -213,7 +236,15 @@ impl Inner {
                 Priority::Prefetch => st.homes[home].prefetch.push_back(job),
             }
         }
-        let split = Split { id, parts, buf: None, allocating: false };
+        let stripes = if by_stripes(e) {
+            e.copies
+                .iter()
+                .map(|c| StripeCheck { hasher: Some(Box::new(xxhash_rust::xxh3::Xxh3::new())), fed_to: c.range(e.len).0 })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let split = Split { id, parts, buf: None, allocating: false, stripes };
         st.inflight
             .insert(key, Inflight { waiters: waiter.into_iter().collect(), priority, tried: vec![], started: true, split: Some(split) });
     }
@@ -251,6 +282,69 @@ impl Inner {
                 return out;
             }
             st = self.work.wait_timeout(st, Duration::from_millis(50)).expect("poisoned").0;
+        }
+    }
+
+    /// Feeds stripe `s` of split read `id` the parts that continue its checked prefix, on the
+    /// reader thread that just completed one, while their bytes are warm; checks the stripe
+    /// when it is whole and delivers the expert once every stripe has passed. Checking as parts
+    /// land keeps the checksum off the critical path: after the last part only that part is
+    /// left to hash, not the whole expert (a layer's drives idle, and its compute waits, until
+    /// its last expert is delivered). One thread feeds a stripe at a time; a part that lands
+    /// meanwhile is picked up by that thread, which looks again before giving the hasher back.
+    fn feed_stripe(&self, key: Key, id: u64, s: usize, buf: Arc<AlignedBuf>) {
+        let e = self.entry(key);
+        let c = &e.copies[s];
+        let (a, n) = c.range(e.len);
+        let owner: Arc<dyn deltafin_core::ByteOwner> = buf;
+        let bytes = Bytes::new(owner, 0, e.len as usize);
+        let mut st = self.state.lock().expect("poisoned");
+        loop {
+            let Some(split) = split_of(&mut st, key, id) else {
+                return;
+            };
+            let fed_to = split.stripes[s].fed_to;
+            let Some(len) = split.parts.iter().find(|p| p.start == fed_to && p.run == Run::Done).map(|p| p.len) else {
+                // The part that continues the prefix has not landed yet.
+                return;
+            };
+            let Some(mut hasher) = split.stripes[s].hasher.take() else {
+                // Another thread is feeding the stripe; it looks again before it stops.
+                return;
+            };
+            let from = split.stripes[s].fed_to;
+            drop(st);
+            hasher.update(&bytes.as_slice()[from as usize..(from + len) as usize]);
+            st = self.state.lock().expect("poisoned");
+            let Some(split) = split_of(&mut st, key, id) else {
+                // A guess cancelled while its stripe was being checked.
+                st.stats.prefetch_wasted_bytes += len;
+                return;
+            };
+            split.stripes[s].fed_to = from + len;
+            if from + len < a + n {
+                split.stripes[s].hasher = Some(hasher);
+                continue;
+            }
+            let good = c.stripe.as_ref().is_some_and(|stripe| format!("{:016x}", hasher.digest()) == stripe.xxh3);
+            if !good {
+                let inf = st.inflight.remove(&key).expect("present");
+                let err = || crate::Error::Corrupt {
+                    layer: key.0,
+                    expert: key.1 as usize,
+                    path: self.manifest.copy_path(c),
+                    offset: c.offset,
+                    advice: self.advice.clone(),
+                };
+                for w in &inf.waiters {
+                    let _ = w.send((key.1, Err(err())));
+                }
+            } else if split.stripes.iter().zip(&e.copies).all(|(k, c)| k.fed_to == c.range(e.len).0 + c.range(e.len).1) {
+                Self::deliver(&mut st, key, bytes);
+            }
+            drop(st);
+            self.work.notify_all();
+            return;
         }
     }
 
@@ -322,8 +416,15 @@ impl Inner {
             Ok(_) => {
                 split.parts[part].run = Run::Done;
                 let done = split.parts.iter().all(|p| p.run == Run::Done);
+                let striped = !split.stripes.is_empty();
                 Self::note_read(&mut st, home, len, secs);
-                if done {
+                if striped {
+                    if let Some(s) = stripe_holding(e, start) {
+                        drop(st);
+                        self.feed_stripe(key, id, s, buf);
+                        return;
+                    }
+                } else if done {
                     // The checksum reads the whole expert: not under the lock every reader and
                     // the engine's requests share.
                     drop(st);
