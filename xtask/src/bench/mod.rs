@@ -349,6 +349,19 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
                         r.per_drive_bytes.iter().map(|x| format!("{:.0}", mb(*x as f64))).collect::<Vec<_>>().join(" / ")
                     )?;
                 }
+                // Each layout's worst round at any rung: what "every rung at >= 90%" is judged on.
+                let worst: Vec<String> = ["striped", "weighted", "round-robin", "mirror"]
+                    .iter()
+                    .filter_map(|l| {
+                        let min = rungs
+                            .iter()
+                            .filter(|r| r.layout.starts_with(l) && r.drives >= 2)
+                            .flat_map(|r| r.efficiencies.iter().copied())
+                            .fold(f64::INFINITY, f64::min);
+                        min.is_finite().then(|| format!("{l} {:.0}%", 100.0 * min))
+                    })
+                    .collect();
+                writeln!(md, "\nLowest efficiency of any round at 2 to 4 drives, equal and unequal: {}.", worst.join(", "))?;
                 let labels: Vec<String> = (2..=4).map(|n| format!("{n} drives, unequal")).collect();
                 let eff = |layout: &str| {
                     rungs
