@@ -15,6 +15,14 @@ pub enum Error {
     /// A request the engine cannot honor (empty prompt, bad option).
     #[error("{0}")]
     Invalid(String),
+    /// The model's output held a NaN or an infinity: no token can be chosen from it, and
+    /// choosing one anyway would be a wrong token with no error.
+    #[error(
+        "the model's logits at position {position} are not finite ({what}): a weight the checksums cannot judge is wrong \
+         (an MXFP4 scale byte of 255 is NaN in E8M0) or a value overflowed; check the checkpoint with `deltafin doctor`, \
+         and report it with the model and prompt if it passes"
+    )]
+    NonFinite { position: usize, what: String },
 }
 
 /// Result alias used across the crate.

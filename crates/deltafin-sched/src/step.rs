@@ -77,6 +77,17 @@ pub struct StepOutput {
     pub report: ForwardReport,
 }
 
+/// The error for the first row of `logits` holding a NaN or an infinity; row 0 is the sequence's
+/// position `first`.
+fn non_finite(logits: &Mat, first: usize) -> Option<Error> {
+    (0..logits.rows).find_map(|i| {
+        let row = logits.row(i);
+        let nan = row.iter().filter(|x| x.is_nan()).count();
+        let inf = row.iter().filter(|x| x.is_infinite()).count();
+        (nan + inf > 0).then(|| Error::NonFinite { position: first + i, what: format!("{nan} NaN and {inf} infinite of {}", row.len()) })
+    })
+}
+
 /// What the lone decode row of a step lends the MoE layers for prefetch guesses.
 struct Guess<'s> {
     layers: &'s mut [LayerState],
@@ -123,18 +134,28 @@ impl Engine {
         // The store is told the plan: which MoE layers this step requests, in order.
         self.experts().begin_pass(self.moe_layers());
         let mut advanced = vec![0usize; slots.len()];
-        match self.walk(slots, &mut advanced, cancel, guess_next) {
-            Ok((res, report, hidden)) => {
-                let mut logits = Vec::with_capacity(slots.len());
-                for (s, r) in slots.iter_mut().zip(&res) {
-                    s.seq.commit_pass(s.ids, s.phase);
-                    let n = s.ids.len();
-                    logits.push(match s.logits {
-                        LogitRows::All => self.model().logits(r, 0..n),
-                        LogitRows::Last => self.model().logits(r, n - 1..n),
-                    });
+        let out = self.walk(slots, &mut advanced, cancel, guess_next).and_then(|(res, report, hidden)| {
+            let mut logits = Vec::with_capacity(slots.len());
+            for (s, r) in slots.iter().zip(&res) {
+                let n = s.ids.len();
+                let (rows, first) = match s.logits {
+                    LogitRows::All => (self.model().logits(r, 0..n), 0),
+                    LogitRows::Last => (self.model().logits(r, n - 1..n), n - 1),
+                };
+                // Every token is chosen from these: a NaN would otherwise be chosen past silently.
+                if let Some(e) = non_finite(&rows, s.seq.ids.len() + first) {
+                    return Err(e);
                 }
-                Ok(StepOutput { logits, report, hidden })
+                logits.push(rows);
+            }
+            Ok(StepOutput { logits, report, hidden })
+        });
+        match out {
+            Ok(out) => {
+                for s in slots.iter_mut() {
+                    s.seq.commit_pass(s.ids, s.phase);
+                }
+                Ok(out)
             }
             Err(e) => {
                 for (s, &done) in slots.iter_mut().zip(&advanced) {

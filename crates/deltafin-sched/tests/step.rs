@@ -150,3 +150,51 @@ fn every_backend_gives_the_same_bits() {
         }
     }
 }
+
+/// A copy of the fixture whose first MoE layer has every w1 scale byte at 255 (NaN in E8M0): a
+/// checkpoint that is wrong the same way on every read, so no checksum can catch it.
+fn checkpoint_with_nan_scales(dir: &Path) -> PathBuf {
+    let out = dir.join("checkpoint");
+    std::fs::create_dir(&out).unwrap();
+    for f in std::fs::read_dir(fixture()).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, out.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut hit = 0;
+    for f in std::fs::read_dir(&out).unwrap() {
+        let f = f.unwrap().path();
+        if f.extension().is_none_or(|e| e != "safetensors") {
+            continue;
+        }
+        let mut bytes = std::fs::read(&f).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        for (name, t) in header.as_object().unwrap() {
+            if name.contains("layers.1.block_sparse_moe.experts.") && name.ends_with("w1.weight_scale") {
+                let at = t["data_offsets"].as_array().unwrap();
+                let (a, b) = (at[0].as_u64().unwrap() as usize, at[1].as_u64().unwrap() as usize);
+                bytes[8 + n + a..8 + n + b].fill(255);
+                hit += 1;
+            }
+        }
+        std::fs::write(&f, bytes).unwrap();
+    }
+    assert!(hit > 0, "no expert scales found in the fixture");
+    out
+}
+
+#[test]
+fn non_finite_logits_are_an_error_and_leave_the_sequence_as_it_was() {
+    let tmp = tempfile::tempdir().unwrap();
+    let healthy = EngineBuilder::new(fixture()).open().unwrap();
+    let broken = EngineBuilder::new(checkpoint_with_nan_scales(tmp.path())).open().unwrap();
+    let before = after(&healthy, &ids(5, 2));
+    for (new, phase) in [(vec![9], Phase::Decode), (ids(4, 7), Phase::Verify), (ids(3, 1), Phase::Prompt)] {
+        let mut seq = before.clone();
+        let err = broken.engine().step(&mut [Slot::new(&mut seq, &new, phase)], None).unwrap_err();
+        assert!(matches!(err, deltafin_sched::Error::NonFinite { .. }), "{phase:?}: {err}");
+        assert!(err.to_string().contains("not finite"), "{err}");
+        assert_eq!(seq.ids(), before.ids());
+        assert!(seq.layer_states() == before.layer_states(), "{phase:?}: a step with NaN logits left state behind");
+    }
+}
