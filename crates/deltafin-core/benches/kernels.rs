@@ -17,7 +17,8 @@ mod common;
 use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{
-    dot_bf16, dot_f32, matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4, Bf16Matrix, Bytes, Isa, IsaKind, Mat, Mxfp4Matrix,
+    dot_bf16, dot_f32, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, permute_for_mxfp4, Bf16Matrix, Bytes, Isa, IsaKind, Mat,
+    Mxfp4Matrix,
 };
 use rayon::prelude::*;
 
@@ -147,6 +148,25 @@ fn bench(c: &mut Criterion) {
                     out
                 })
             });
+            if n >= 64 {
+                // The register tiles the panels replace from 32 inputs, in the same run: the
+                // same blocks, inputs 4 at a time (each tile decodes its groups in registers).
+                g.bench_function(BenchmarkId::new(format!("mxfp4 register tiles {name}"), n), |b| {
+                    b.iter(|| {
+                        let mut out = vec![0f32; ROWS * n];
+                        out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| {
+                            let mut part = vec![0f32; 32 * 4];
+                            for (c, x) in refs.chunks(4).enumerate() {
+                                matmul_mxfp4(isa, x, &w, 32 * b..32 * b + 32, &mut part[..32 * x.len()]);
+                                for (i, v) in part.chunks(x.len()).enumerate() {
+                                    o[i * n + 4 * c..][..x.len()].copy_from_slice(v);
+                                }
+                            }
+                        });
+                        out
+                    })
+                });
+            }
             if n == 1 || n == 512 {
                 // The baseline, in the same run: the same blocks one weight row at a time
                 // (tiles of one row: no input shared by several rows' FMA chains).
@@ -167,6 +187,11 @@ fn bench(c: &mut Criterion) {
             }
             let x = Mat::from_vec(n, COLS, floats(n * COLS, 13));
             g.bench_function(BenchmarkId::new(format!("bf16 {name}"), n), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
+            if n >= 64 {
+                g.bench_function(BenchmarkId::new(format!("bf16 register tiles {name}"), n), |b| {
+                    b.iter(|| matmul_bf16_without_panels(isa, &x, &bf16))
+                });
+            }
             if n == 512 {
                 // The previous kernel, in the same run: the same tiles, each value its own dot
                 // (no weight row shared by several token rows' FMA chains).

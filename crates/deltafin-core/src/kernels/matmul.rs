@@ -22,6 +22,11 @@ const TOKEN_TILE: usize = 32;
 /// Token rows from which several inputs share each weight row (below: rows share each input).
 const SHARE_INPUTS_FROM: usize = 4;
 
+/// Token rows from which a block's weight rows are widened once into an F32 panel that every
+/// token row shares (`panel_x86`); below, register tiles widen each weight for a few inputs
+/// (interleaved single-thread runs on K3's shape: panels 0.70x at 8 rows, even at 16, 1.12x at 64).
+const PANEL_FROM: usize = 32;
+
 /// `X [t, cols] @ W[rows, cols]^T -> [t, rows]`.
 pub fn matmul_bf16(x: &Mat, w: &Bf16Matrix) -> Mat {
     matmul_bf16_with(Isa::best(), x, w)
@@ -29,6 +34,18 @@ pub fn matmul_bf16(x: &Mat, w: &Bf16Matrix) -> Mat {
 
 /// [`matmul_bf16`] on a chosen instruction set (tests compare them).
 pub fn matmul_bf16_with(isa: Isa, x: &Mat, w: &Bf16Matrix) -> Mat {
+    product(isa, x, w, PANEL_FROM)
+}
+
+/// [`matmul_bf16_with`] with register tiles whatever the number of token rows: the baseline the
+/// kernel benchmark measures the panels against, bit-identical to it.
+#[doc(hidden)]
+pub fn matmul_bf16_without_panels(isa: Isa, x: &Mat, w: &Bf16Matrix) -> Mat {
+    product(isa, x, w, usize::MAX)
+}
+
+/// The product, with panels from `panel_from` token rows.
+fn product(isa: Isa, x: &Mat, w: &Bf16Matrix, panel_from: usize) -> Mat {
     assert_eq!(x.cols, w.cols, "matmul_bf16: inner dimensions differ");
     let t = x.rows;
     let mut out = Mat::zeros(t, w.rows);
@@ -39,10 +56,30 @@ pub fn matmul_bf16_with(isa: Isa, x: &Mat, w: &Bf16Matrix) -> Mat {
             let r0 = b * ROWS_PER_TASK;
             let r1 = (r0 + ROWS_PER_TASK).min(w.rows);
             let mut block = vec![0f32; t * (r1 - r0)];
+            let ws: Vec<&[u8]> = (r0..r1).map(|r| w.row(r)).collect();
+            #[cfg(target_arch = "x86_64")]
+            if let (kind @ (super::dot::IsaKind::Avx2 | super::dot::IsaKind::Avx512), true) = (isa.kind(), t >= panel_from) {
+                let (avx512, simd) = (kind == super::dot::IsaKind::Avx512, x.cols / super::LANES * super::LANES);
+                let xs: Vec<&[f32]> = (0..t).map(|ti| x.row(ti)).collect();
+                // SAFETY: `isa` was made after feature detection; every row holds `2 * x.cols`
+                // bytes and every input `x.cols` floats (checked above).
+                let nrows = r1 - r0;
+                unsafe {
+                    super::panel_x86::lanes(
+                        avx512,
+                        &xs,
+                        nrows,
+                        simd,
+                        |r, k, dst| super::panel_x86::widen_bf16(avx512, &ws[r][2 * k.start..2 * k.end], dst),
+                        // Each value's tail columns (past the last 16) and lane reduction, as alone.
+                        |r, ti, lanes| block[ti * nrows + r] = super::dot::dot_bf16_scalar(xs[ti], ws[r], simd, *lanes),
+                    )
+                };
+                return (r0, block);
+            }
             // Token rows a tile at a time: the tile's inputs stay in cache while the block's
             // weight rows pass over them (each value is still one dot).
             let mut vals = [0f32; TOKEN_TILE];
-            let ws: Vec<&[u8]> = (r0..r1).map(|r| w.row(r)).collect();
             for tile in (0..t).step_by(TOKEN_TILE) {
                 let end = (tile + TOKEN_TILE).min(t);
                 let xs: Vec<&[f32]> = (tile..end).map(|ti| x.row(ti)).collect();

@@ -15,9 +15,11 @@ mod mxfp4;
 mod mxfp4_x86;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+#[cfg(target_arch = "x86_64")]
+mod panel_x86;
 
 pub use dot::{dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_f32, Isa, IsaKind, LANES};
-pub use matmul::{matmul_bf16, matmul_bf16_with};
+pub use matmul::{matmul_bf16, matmul_bf16_with, matmul_bf16_without_panels};
 pub use mxfp4::{dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_mxfp4, permute_for_mxfp4, Mxfp4Matrix};
 
 #[cfg(test)]

@@ -158,3 +158,59 @@ pub(super) unsafe fn tile_avx2<const R: usize, const N: usize>(tile: &Tile<'_, R
         }
     }
 }
+
+/// Writes one row's groups `groups` decoded to F32 into `out` (32 floats a group: its even
+/// columns, then its odd ones, the layout of a permuted input), for a prompt's panel.
+///
+/// # Safety
+/// The chosen instruction set must be available; `packed` and `scales` cover the groups and
+/// `out` holds `32 * groups.len()` floats.
+pub(super) unsafe fn decode_row(
+    avx512: bool,
+    packed: *const u8,
+    scales: *const u8,
+    groups: std::ops::Range<usize>,
+    table: &[[f32; 16]; 256],
+    out: *mut f32,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if avx512 {
+            decode_avx512(packed, scales, groups, table, out)
+        } else {
+            decode_avx2(packed, scales, groups, out)
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_avx512(packed: *const u8, scales: *const u8, groups: std::ops::Range<usize>, table: &[[f32; 16]; 256], out: *mut f32) {
+    for (i, g) in groups.enumerate() {
+        // SAFETY: as for `decode_row`; the decode is `tile_avx512`'s.
+        unsafe {
+            let lut = _mm512_loadu_ps(table[*scales.add(g) as usize].as_ptr());
+            let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed.add(16 * g) as *const __m128i));
+            _mm512_storeu_ps(out.add(32 * i), _mm512_permutexvar_ps(b, lut));
+            _mm512_storeu_ps(out.add(32 * i + 16), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut));
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_avx2(packed: *const u8, scales: *const u8, groups: std::ops::Range<usize>, out: *mut f32) {
+    let table = xor_table();
+    for (i, g) in groups.enumerate() {
+        for h in 0..2 {
+            // SAFETY: as for `decode_row`; the decode is `tile_avx2`'s.
+            unsafe {
+                let lut = _mm256_loadu_si256(table[*scales.add(g) as usize].as_ptr() as *const __m256i);
+                let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(packed.add(16 * g + 8 * h) as *const __m128i));
+                let hi = _mm256_srli_epi32(b, 4);
+                let even = _mm256_xor_si256(_mm256_permutevar8x32_epi32(lut, b), _mm256_slli_epi32(b, 28));
+                let odd = _mm256_xor_si256(_mm256_permutevar8x32_epi32(lut, hi), _mm256_slli_epi32(hi, 28));
+                _mm256_storeu_si256(out.add(32 * i + 8 * h) as *mut __m256i, even);
+                _mm256_storeu_si256(out.add(32 * i + 16 + 8 * h) as *mut __m256i, odd);
+            }
+        }
+    }
+}

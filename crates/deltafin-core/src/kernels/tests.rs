@@ -99,13 +99,15 @@ fn mxfp4_tiles_equal_each_lone_dot_bitwise() {
     // Scale bytes 0 and 1 make subnormal weights; the rest are spread over ordinary scales.
     let scales: Vec<u8> = (0..rows * cols / 32).map(|i| if i % 7 == 0 { (i % 2) as u8 } else { 100 + (rng.next() % 50) as u8 }).collect();
     let w = Mxfp4Matrix::new(rows, cols, &packed, &scales).unwrap();
-    let xs: Vec<Vec<f32>> = (0..13).map(|_| permute_for_mxfp4(&(0..cols).map(|_| rng.f32()).collect::<Vec<_>>())).collect();
+    let xs: Vec<Vec<f32>> = (0..36).map(|_| permute_for_mxfp4(&(0..cols).map(|_| rng.f32()).collect::<Vec<_>>())).collect();
     let lone = |x: &[f32], r: usize| {
         let (p, s) = w.row_bytes(r);
         dot_mxfp4(Isa::SCALAR, x, p, s)
     };
-    // Input counts: every tile width, its tails, and more than one tile of inputs.
-    for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
+    // Input counts: every tile width, its tails, and more than one tile of inputs; from 32 the
+    // rows are decoded into panels shared by tiles of 6 inputs (AVX-512) or 4 (AVX2), so 32-36
+    // leave every tail of those.
+    for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 33, 34, 35, 36] {
         let refs: Vec<&[f32]> = xs[..n].iter().map(|x| &x[..]).collect();
         for isa in Isa::available() {
             for block in [0..rows, 3..rows, 5..6] {
@@ -154,8 +156,11 @@ fn matmul_rows_are_batch_and_isa_invariant() {
     // 13 token rows: groups of eight and four share a weight row, one is left alone; 56 columns
     // leave a tail of 8 past the 16-lane blocks. 45 token rows span two token tiles; 1048
     // columns cross the prompt tiles' K blocks (512 or 1024 columns) with a partial last block
-    // and a tail; 37 weight rows leave a row past the 2-row tiles.
-    for (t, rows, cols) in [(13, 70, 56), (45, 37, 1048)] {
+    // and a tail; 37 weight rows leave a row past the 2-row tiles. From 32 token rows the weights
+    // are widened into panels (K blocks of 1024 columns) shared by tiles of 4 rows x 6 token rows
+    // (AVX-512) or 2 x 4 (AVX2): 32, 34, 35 and 45 leave every tail of those; 300 columns are
+    // one partial K block and a tail, 2100 two whole ones, a partial one and a tail.
+    for (t, rows, cols) in [(13, 70, 56), (45, 37, 1048), (32, 6, 300), (34, 5, 300), (35, 9, 2100)] {
         let x = Mat::from_vec(t, cols, (0..t * cols).map(|_| rng.f32()).collect());
         let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
         let w = Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(&w)), rows, cols);
