@@ -14,7 +14,7 @@ use crate::config::K3Config;
 use crate::error::{Error, Result};
 use crate::math::sigmoid;
 use crate::tensor::Mat;
-use crate::weights::Bf16Matrix;
+use crate::weights::{bf16_to_f32, Bf16Matrix};
 
 /// Epsilon of `q_a_layernorm` and `kv_a_layernorm` (Moonshot, HF and mlx-lm use 1e-6).
 const LORA_NORM_EPS: f32 = 1e-6;
@@ -130,12 +130,15 @@ impl MlaWeights {
                 let (t, h) = (task / heads, task % heads);
                 let qrow = &q.row(t)[h * (nope + rope)..(h + 1) * (nope + rope)];
                 let (q_nope, q_pe) = qrow.split_at(nope);
-                // q_lat[c] = sum_i q_nope[i] * W_kb[h*per_head + i][c], i ascending.
+                // q_lat[c] = sum_i q_nope[i] * W_kb[h*per_head + i][c], i ascending, a product
+                // and a sum each (no fused multiply-add). Walking a whole weight row per `i`
+                // lets the compiler run the `c`s in SIMD lanes: each `c` keeps its own
+                // operations in the same order, so the bits are the scalar loop's.
                 let mut q_lat = vec![0f32; lora];
                 for (i, &qi) in q_nope.iter().enumerate() {
-                    let r = h * per_head + i;
-                    for (c, ql) in q_lat.iter_mut().enumerate() {
-                        *ql += qi * self.kv_b.at(r, c);
+                    let row = self.kv_b.row(h * per_head + i);
+                    for (ql, w) in q_lat.iter_mut().zip(row.chunks_exact(2)) {
+                        *ql += qi * bf16_to_f32(u16::from_le_bytes([w[0], w[1]]));
                     }
                 }
                 let n_keys = past + t + 1;
