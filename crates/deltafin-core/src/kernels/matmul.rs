@@ -16,6 +16,8 @@ use crate::weights::Bf16Matrix;
 
 /// Output rows per parallel task: big enough to amortize scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 32;
+/// Output rows per task where the token rows share a decoded panel.
+const PANEL_ROWS_PER_TASK: usize = 128;
 /// Token rows walked together (32 x 28 KB of F32 inputs at K3's width: in L2).
 const TOKEN_TILE: usize = 32;
 
@@ -50,11 +52,14 @@ fn product(isa: Isa, x: &Mat, w: &Bf16Matrix, panel_from: usize) -> Mat {
     let t = x.rows;
     let mut out = Mat::zeros(t, w.rows);
     // Each task fills a [t, chunk] block in row-chunk order, then blocks are scattered.
-    let blocks: Vec<(usize, Vec<f32>)> = (0..w.rows.div_ceil(ROWS_PER_TASK))
+    // A panel task reads every token row's inputs once per K block: long prompts take bigger
+    // blocks of weight rows, so the inputs are read fewer times (the panel still fits L2).
+    let per_task = if t >= panel_from { PANEL_ROWS_PER_TASK } else { ROWS_PER_TASK };
+    let blocks: Vec<(usize, Vec<f32>)> = (0..w.rows.div_ceil(per_task))
         .into_par_iter()
         .map(|b| {
-            let r0 = b * ROWS_PER_TASK;
-            let r1 = (r0 + ROWS_PER_TASK).min(w.rows);
+            let r0 = b * per_task;
+            let r1 = (r0 + per_task).min(w.rows);
             let mut block = vec![0f32; t * (r1 - r0)];
             let ws: Vec<&[u8]> = (r0..r1).map(|r| w.row(r)).collect();
             #[cfg(target_arch = "x86_64")]

@@ -155,6 +155,11 @@ impl ExpertLayout {
 
 /// Weight rows per parallel task in [`expert_forward`].
 const ROW_BLOCK: usize = 32;
+/// Weight rows per task from [`PROMPT_ROWS`] tokens: each task reads every token's inputs once
+/// per K block, so longer prompts take bigger blocks (the decoded panel still fits L2).
+const PROMPT_ROW_BLOCK: usize = 128;
+/// Tokens from which an expert's tasks take [`PROMPT_ROW_BLOCK`] rows.
+const PROMPT_ROWS: usize = 32;
 
 /// One expert applied to some latent rows: `w2(situ(w3 z, w1 z))`, straight from its bytes.
 pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
@@ -164,12 +169,13 @@ pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[
     // each weight group once for several token rows and cache-blocks a prompt's inputs. Every
     // value is still its one fixed-order dot, whatever the number of tokens.
     let t = z.rows;
+    let block = if t >= PROMPT_ROWS { PROMPT_ROW_BLOCK } else { ROW_BLOCK };
     let zp: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(z.row(i))).collect();
     let zr: Vec<&[f32]> = zp.iter().map(|x| &x[..]).collect();
     // Row-major `[row][token]` outputs written in place.
     let mut act = vec![0f32; inter * t];
-    act.par_chunks_mut(t * ROW_BLOCK).enumerate().for_each(|(b, act)| {
-        let rows = b * ROW_BLOCK..b * ROW_BLOCK + act.len() / t;
+    act.par_chunks_mut(t * block).enumerate().for_each(|(b, act)| {
+        let rows = b * block..b * block + act.len() / t;
         let mut up = vec![0f32; act.len()];
         matmul_mxfp4(isa, &zr, &w3, rows.clone(), act);
         matmul_mxfp4(isa, &zr, &w1, rows, &mut up);
@@ -180,8 +186,8 @@ pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[
     let ap: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(&(0..inter).map(|r| act[r * t + i]).collect::<Vec<_>>())).collect();
     let ar: Vec<&[f32]> = ap.iter().map(|x| &x[..]).collect();
     let mut y = vec![0f32; latent * t];
-    y.par_chunks_mut(t * ROW_BLOCK).enumerate().for_each(|(b, y)| {
-        matmul_mxfp4(isa, &ar, &w2, b * ROW_BLOCK..b * ROW_BLOCK + y.len() / t, y);
+    y.par_chunks_mut(t * block).enumerate().for_each(|(b, y)| {
+        matmul_mxfp4(isa, &ar, &w2, b * block..b * block + y.len() / t, y);
     });
     let mut out = Mat::zeros(z.rows, latent);
     for i in 0..t {
