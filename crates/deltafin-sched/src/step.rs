@@ -82,9 +82,12 @@ pub struct StepOutput {
 fn non_finite(logits: &Mat, first: usize) -> Option<Error> {
     (0..logits.rows).find_map(|i| {
         let row = logits.row(i);
+        if row.iter().all(|x| x.is_finite()) {
+            return None;
+        }
         let nan = row.iter().filter(|x| x.is_nan()).count();
         let inf = row.iter().filter(|x| x.is_infinite()).count();
-        (nan + inf > 0).then(|| Error::NonFinite { position: first + i, what: format!("{nan} NaN and {inf} infinite of {}", row.len()) })
+        Some(Error::NonFinite { position: first + i, what: format!("{nan} NaN and {inf} infinite of {}", row.len()) })
     })
 }
 

@@ -26,7 +26,7 @@ const SHARE_INPUTS_FROM: usize = 4;
 
 /// Token rows from which a block's weight rows are widened once into an F32 panel that every
 /// token row shares (`panel_x86`); below, register tiles widen each weight for a few inputs
-/// (interleaved single-thread runs on K3's shape: panels 0.70x at 8 rows, even at 16, 1.12x at 64).
+/// (hand-timed on K3's shape: panels lost at 8 rows and drew even at 16).
 const PANEL_FROM: usize = 32;
 
 /// `X [t, cols] @ W[rows, cols]^T -> [t, rows]`.
@@ -66,9 +66,9 @@ fn product(isa: Isa, x: &Mat, w: &Bf16Matrix, panel_from: usize) -> Mat {
             if let (kind @ (super::dot::IsaKind::Avx2 | super::dot::IsaKind::Avx512), true) = (isa.kind(), t >= panel_from) {
                 let (avx512, simd) = (kind == super::dot::IsaKind::Avx512, x.cols / super::LANES * super::LANES);
                 let xs: Vec<&[f32]> = (0..t).map(|ti| x.row(ti)).collect();
+                let nrows = r1 - r0;
                 // SAFETY: `isa` was made after feature detection; every row holds `2 * x.cols`
                 // bytes and every input `x.cols` floats (checked above).
-                let nrows = r1 - r0;
                 unsafe {
                     super::panel_x86::lanes(
                         avx512,

@@ -171,9 +171,9 @@ mod tiles {
     use crate::kernels::mxfp4_x86::Lanes;
 
     /// Inputs from which a block's rows are decoded once into an F32 panel that every input
-    /// shares (`panel_x86`); below, each tile decodes its groups in registers. Interleaved
-    /// single-thread runs on K3's expert shape: panels 0.74x the register tiles at 8 inputs,
-    /// even at 16, 1.1x at 64.
+    /// shares (`panel_x86`); below, each tile decodes its groups in registers (hand-timed on
+    /// K3's expert shape: panels lost at 8 inputs and drew even at 16; the kernel bench
+    /// measures both at 64 and 512).
     pub(crate) const PANEL_FROM: usize = 32;
 
     /// Bytes of the inputs one K block spans: with the block's weight rows and lane

@@ -18,8 +18,8 @@ use std::arch::x86_64::*;
 use super::dot::LANES;
 
 /// Floats of a panel row per K block: a chunk of inputs (24 KB) stays in L1 while the block's
-/// panel rows (128 KB for 32 rows, in L2) stream past it. Interleaved single-thread runs on K3's
-/// expert shape put 1024 ahead of 512 and 256 (fewer lane round trips through memory).
+/// panel rows (128 KB for 32 rows, in L2) stream past it. Hand-timed on K3's expert shape, 1024 ran
+/// ahead of 512 and 256 (fewer lane round trips through memory).
 const K_BLOCK: usize = 1024;
 /// Floats from one panel row (or input of a chunk) to the next: a line more than the block, so
 /// the streams a tile reads side by side fall in different L1 sets (at a power-of-two stride
