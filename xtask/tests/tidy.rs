@@ -71,6 +71,21 @@ fn crate_boundaries_hold() {
             }
         }
     }
+    // deltafin-core computes with no libm function: its `exp` and `tanh` (`math/transcendental.rs`)
+    // give the same bits on every platform and in vectorized loops; square roots and divisions
+    // are IEEE operations, correctly rounded everywhere.
+    for (p, text) in non_test_sources("deltafin-core") {
+        for (i, l) in text.lines().enumerate() {
+            let code = l.split("//").next().unwrap_or("");
+            for call in
+                [".exp()", ".exp_m1()", ".tanh()", ".ln()", ".ln_1p()", ".log2()", ".powf(", ".sin()", ".cos()", ".sin_cos()", ".exp2()"]
+            {
+                if code.contains(call) {
+                    bad.push(format!("{}:{}: deltafin-core calls libm `{call}`: use crate::math's own", p.display(), i + 1));
+                }
+            }
+        }
+    }
     // deltafin-sched: decides order, never touches files itself (the store does).
     for (p, text) in non_test_sources("deltafin-sched") {
         for needle in ["std::fs", "File::", "OpenOptions", "std::net"] {

@@ -50,6 +50,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     #[allow(clippy::too_many_arguments)]
     fn kda_step(&self, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]);
 
+    /// `up[i] = situ(up[i], gate[i], beta, lin)`, element by element (the same bits on every
+    /// instruction set: `crate::math::situ_in_place`).
+    fn situ_in_place(&self, up: &mut [f32], gate: &[f32], beta: f32, lin: f32) {
+        crate::math::situ_in_place(Isa::best(), up, gate, beta, lin)
+    }
+
     /// `1 / sqrt(mean(x^2) + eps)`, the mean from [`Backend::dot_f32`].
     fn inv_rms(&self, x: &[f32], eps: f32) -> f32 {
         1.0 / (self.dot_f32(x, x) / x.len() as f32 + eps).sqrt()
@@ -108,6 +114,9 @@ impl Backend for Cpu {
     }
     fn expert_forward(&self, cfg: &K3Config, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
         expert_forward(cfg, self.isa, layout, bytes, z)
+    }
+    fn situ_in_place(&self, up: &mut [f32], gate: &[f32], beta: f32, lin: f32) {
+        crate::math::situ_in_place(self.isa, up, gate, beta, lin)
     }
     fn kda_step(&self, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: &[f32], beta: f32, o: &mut [f32]) {
         crate::model::recurrent_step(self.isa, s, q, k, v, decay, beta, o)

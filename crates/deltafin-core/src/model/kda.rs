@@ -166,7 +166,7 @@ impl KdaWeights {
             b_proj: l.matrix("b_proj.weight", cfg.kda_heads, h)?,
             g_proj: l.matrix("g_proj.weight", c, h)?,
             // Per head: the stored tensor holds H values then zero padding.
-            a_exp: a_log[..cfg.kda_heads].iter().map(|a| a.exp()).collect(),
+            a_exp: a_log[..cfg.kda_heads].iter().map(|&a| crate::math::exp(a)).collect(),
             dt_bias: l.f32_tensor("dt_bias", &[c])?,
             o_norm: l.f32_tensor("o_norm.weight", &[d])?,
             o_proj: l.matrix("o_proj.weight", h, c)?,
@@ -202,7 +202,7 @@ impl KdaWeights {
             st.copy_from_slice(&hist[hist.len() - (kern - 1) * c..]);
         }
         let [mut q, mut k, v] = qkv;
-        let scale = (d as f32).powf(-0.5);
+        let scale = crate::math::inv_sqrt_of(d);
         for t in 0..t_len {
             for hh in 0..heads {
                 let qh = &mut q.row_mut(t)[hh * d..(hh + 1) * d];
@@ -219,7 +219,7 @@ impl KdaWeights {
         for t in 0..t_len {
             for ch in 0..c {
                 let g = lb * sigmoid(self.a_exp[ch / d] * (a.row(t)[ch] + self.dt_bias[ch]));
-                decay.row_mut(t)[ch] = g.exp();
+                decay.row_mut(t)[ch] = crate::math::exp(g);
             }
         }
         let b = be.matmul_bf16(x, &self.b_proj);

@@ -120,7 +120,7 @@ impl MlaWeights {
         let past = cache.len;
         cache.len += t_len;
         cache.last_forward = t_len;
-        let scale = ((nope + rope) as f32).powf(-0.5);
+        let scale = crate::math::inv_sqrt_of(nope + rope);
         let per_head = nope + vd;
         let cache_ref = &*cache;
         // One task per (token, head): independent, fixed order inside.

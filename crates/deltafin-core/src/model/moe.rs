@@ -12,7 +12,7 @@ use crate::backend::Backend;
 use crate::config::{ExpertShape, K3Config};
 use crate::error::{Error, Result};
 use crate::kernels::{matmul_mxfp4, permute_for_mxfp4, Isa, Mxfp4Matrix};
-use crate::math::{sigmoid, situ};
+use crate::math::{sigmoid, situ_in_place};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
@@ -35,9 +35,7 @@ impl GluWeights {
     pub fn forward(&self, cfg: &K3Config, be: &dyn Backend, x: &Mat) -> Mat {
         let g = be.matmul_bf16(x, &self.gate);
         let mut u = be.matmul_bf16(x, &self.up);
-        for (u, g) in u.data.iter_mut().zip(&g.data) {
-            *u = situ(*u, *g, cfg.situ_beta, cfg.situ_linear_beta);
-        }
+        be.situ_in_place(&mut u.data, &g.data, cfg.situ_beta, cfg.situ_linear_beta);
         be.matmul_bf16(&u, &self.down)
     }
 }
@@ -179,9 +177,7 @@ pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[
         let mut up = vec![0f32; act.len()];
         matmul_mxfp4(isa, &zr, &w3, rows.clone(), act);
         matmul_mxfp4(isa, &zr, &w1, rows, &mut up);
-        for (a, &u) in act.iter_mut().zip(&up) {
-            *a = situ(*a, u, cfg.situ_beta, cfg.situ_linear_beta);
-        }
+        situ_in_place(isa, act, &up, cfg.situ_beta, cfg.situ_linear_beta);
     });
     let ap: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(&(0..inter).map(|r| act[r * t + i]).collect::<Vec<_>>())).collect();
     let ar: Vec<&[f32]> = ap.iter().map(|x| &x[..]).collect();
