@@ -139,12 +139,15 @@ fn bench(c: &mut Criterion) {
             let xs: Vec<Vec<f32>> = (0..n).map(|t| permute_for_mxfp4(&floats(COLS, 11 + t as u64))).collect();
             let refs: Vec<&[f32]> = xs.iter().map(|x| &x[..]).collect();
             let w = Mxfp4Matrix::new(ROWS, COLS, &packed, &scales).unwrap();
-            // The engine's split (`expert_forward`): blocks of 32 rows in parallel, each one
-            // `matmul_mxfp4` over every input.
+            // The engine's split (`expert_forward`): blocks of rows in parallel (128 from 32
+            // inputs, else 32), each one `matmul_mxfp4` over every input.
+            let block = if n >= 32 { 128 } else { 32 };
             g.bench_function(BenchmarkId::new(format!("mxfp4 {name}"), n), |b| {
                 b.iter(|| {
                     let mut out = vec![0f32; ROWS * n];
-                    out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| matmul_mxfp4(isa, &refs, &w, 32 * b..32 * b + 32, o));
+                    out.par_chunks_mut(n * block)
+                        .enumerate()
+                        .for_each(|(b, o)| matmul_mxfp4(isa, &refs, &w, block * b..block * b + block, o));
                     out
                 })
             });
