@@ -17,8 +17,8 @@ mod common;
 use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{
-    dot_bf16, dot_f32, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, permute_for_mxfp4, Bf16Matrix, Bytes, Isa, IsaKind, Mat,
-    Mxfp4Matrix,
+    dot_bf16, dot_f32, expert_row_block, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, permute_for_mxfp4,
+    permute_for_mxfp4_into, Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix,
 };
 use rayon::prelude::*;
 
@@ -136,12 +136,16 @@ fn bench(c: &mut Criterion) {
         for n in [1usize, 8, 64, 512] {
             let flops = (2 * n * ROWS * COLS) as u64;
             g.throughput(Throughput::Elements(flops));
-            let xs: Vec<Vec<f32>> = (0..n).map(|t| permute_for_mxfp4(&floats(COLS, 11 + t as u64))).collect();
-            let refs: Vec<&[f32]> = xs.iter().map(|x| &x[..]).collect();
+            // Inputs as `expert_forward` lays them: permuted, on cache lines.
+            let mut lined = LinedRows::new(n, COLS);
+            for t in 0..n {
+                permute_for_mxfp4_into(&floats(COLS, 11 + t as u64), lined.row_mut(t));
+            }
+            let refs = lined.refs();
             let w = Mxfp4Matrix::new(ROWS, COLS, &packed, &scales).unwrap();
-            // The engine's split (`expert_forward`): blocks of rows in parallel (128 from 32
-            // inputs, else 32), each one `matmul_mxfp4` over every input.
-            let block = if n >= 32 { 128 } else { 32 };
+            // The engine's split (`expert_forward`): blocks of rows in parallel, each one
+            // `matmul_mxfp4` over every input.
+            let block = expert_row_block(n);
             g.bench_function(BenchmarkId::new(format!("mxfp4 {name}"), n), |b| {
                 b.iter(|| {
                     let mut out = vec![0f32; ROWS * n];

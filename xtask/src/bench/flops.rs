@@ -6,11 +6,14 @@
 //! (interpolated in log rows). Attention scores and KDA steps are not counted: the bound covers
 //! the matrix products only, so it is a lower bound of the compute (stricter, never looser).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use deltafin_core::{
-    matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4, Backend, Bf16Matrix, Bytes, Cpu, ExpertLayout, K3Config, Mat, MlaHead, Mxfp4Matrix,
+    expert_row_block, matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4_into, Backend, Bf16Matrix, Bytes, Cpu, ExpertLayout, K3Config,
+    LinedRows, Mat, MlaHead, Mxfp4Matrix,
 };
 use rayon::prelude::*;
 
@@ -19,16 +22,19 @@ const ROWS: [usize; 4] = [1, 8, 64, 512];
 /// K3's expert up/gate shape (the kernel benchmark's).
 const SHAPE: (usize, usize) = (3072, 3584);
 
-/// FLOP/s of the MXFP4 and BF16 products at each of [`ROWS`].
+/// FLOP/s of the MXFP4 and BF16 products at each of [`ROWS`]: the median repeat (the typical
+/// time, as the kernel benchmark's criterion reports it) and the best one.
 #[derive(Clone, Debug)]
 pub struct Rates {
     pub mxfp4: [f64; 4],
     pub bf16: [f64; 4],
+    pub mxfp4_best: [f64; 4],
+    pub bf16_best: [f64; 4],
 }
 
 impl Rates {
-    /// Each kernel at each row count on K3's shape, the engine's split over threads, best of
-    /// a few repeats after a warm-up.
+    /// Each kernel at each row count on K3's shape, the engine's split over threads, over
+    /// repeats lasting about half a second after a warm-up.
     pub fn measure(cpu: Cpu) -> Rates {
         let isa = cpu.isa();
         let (rows, cols) = SHAPE;
@@ -40,21 +46,42 @@ impl Rates {
             rows,
             cols,
         );
-        let mut r = Rates { mxfp4: [0.0; 4], bf16: [0.0; 4] };
+        let mut r = Rates { mxfp4: [0.0; 4], bf16: [0.0; 4], mxfp4_best: [0.0; 4], bf16_best: [0.0; 4] };
         for (k, &n) in ROWS.iter().enumerate() {
             let flops = (2 * n * rows * cols) as f64;
             let x = Mat::from_vec(n, cols, (0..n * cols).map(|i| ((i % 97) as f32 - 48.0) / 64.0).collect());
-            let xs: Vec<Vec<f32>> = (0..n).map(|t| permute_for_mxfp4(x.row(t))).collect();
-            let refs: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
+            // Inputs as `expert_forward` lays them: permuted, on cache lines.
+            let mut lined = LinedRows::new(n, cols);
+            for t in 0..n {
+                permute_for_mxfp4_into(x.row(t), lined.row_mut(t));
+            }
+            let refs = lined.refs();
+            // The engine's split: `expert_forward`'s blocks of rows for this many tokens.
+            let block = expert_row_block(n);
             let mxfp4 = || {
                 let mut out = vec![0f32; rows * n];
-                out.par_chunks_mut(32 * n).enumerate().for_each(|(b, o)| matmul_mxfp4(isa, &refs, &w, 32 * b..32 * b + 32, o));
+                out.par_chunks_mut(block * n)
+                    .enumerate()
+                    .for_each(|(b, o)| matmul_mxfp4(isa, &refs, &w, block * b..block * b + o.len() / n, o));
                 out
             };
-            r.mxfp4[k] = flops / best_seconds(mxfp4);
-            r.bf16[k] = flops / best_seconds(|| matmul_bf16_with(isa, &x, &bf16));
+            let (median, best) = repeat_seconds(mxfp4);
+            (r.mxfp4[k], r.mxfp4_best[k]) = (flops / median, flops / best);
+            let (median, best) = repeat_seconds(|| matmul_bf16_with(isa, &x, &bf16));
+            (r.bf16[k], r.bf16_best[k]) = (flops / median, flops / best);
         }
         r
+    }
+
+    /// The mean of two measurements (before and after a run), rate by rate.
+    pub fn mean(&self, other: &Rates) -> Rates {
+        let m = |a: [f64; 4], b: [f64; 4]| std::array::from_fn(|i| (a[i] + b[i]) / 2.0);
+        Rates {
+            mxfp4: m(self.mxfp4, other.mxfp4),
+            bf16: m(self.bf16, other.bf16),
+            mxfp4_best: m(self.mxfp4_best, other.mxfp4_best),
+            bf16_best: m(self.bf16_best, other.bf16_best),
+        }
     }
 
     /// The rate for `n` rows, interpolated in log2(rows) between the measured counts.
@@ -70,48 +97,77 @@ impl Rates {
     }
 }
 
-/// Best wall time of `f` over repeats lasting about half a second in all.
-fn best_seconds<T>(mut f: impl FnMut() -> T) -> f64 {
+/// Median and best wall time of `f` over at least 5 repeats lasting about half a second in all.
+///
+/// The bound takes the median: this VM's speed moves by up to 1.4x within seconds, and a run of
+/// the engine lasting seconds meets its typical speed, not its best moment.
+fn repeat_seconds<T>(mut f: impl FnMut() -> T) -> (f64, f64) {
     std::hint::black_box(f());
     let start = Instant::now();
-    let mut best = f64::MAX;
-    while start.elapsed().as_secs_f64() < 0.5 || best == f64::MAX {
+    let mut times = Vec::new();
+    while start.elapsed().as_secs_f64() < 0.5 || times.len() < 5 {
         let t = Instant::now();
         std::hint::black_box(f());
-        best = best.min(t.elapsed().as_secs_f64());
+        times.push(t.elapsed().as_secs_f64());
     }
-    best
+    times.sort_by(f64::total_cmp);
+    (times[times.len() / 2], times[0])
 }
 
-/// The CPU backend, tallying each matrix product's FLOPs and its time at the measured rates.
+/// The CPU backend, tallying each matrix product's FLOPs by kind and row count, and the wall
+/// time spent inside the products; [`Tally::bound_s`] prices the FLOPs at any [`Rates`], so a
+/// run can be priced at rates measured right before and after it.
 #[derive(Debug)]
 pub struct Tally {
     cpu: Cpu,
-    rates: Rates,
-    flops: AtomicU64,
-    ideal_ps: AtomicU64,
+    /// FLOPs per `(kind, rows)`, kind 0 = MXFP4 experts, 1 = BF16.
+    flops: Mutex<BTreeMap<(usize, usize), u64>>,
+    /// Wall time inside the products, `[MXFP4, BF16]` (the engine calls them one at a time;
+    /// each runs on every core).
+    spent_ps: [AtomicU64; 2],
 }
 
 impl Tally {
-    pub fn new(cpu: Cpu, rates: Rates) -> Tally {
-        Tally { cpu, rates, flops: AtomicU64::new(0), ideal_ps: AtomicU64::new(0) }
+    pub fn new(cpu: Cpu) -> Tally {
+        Tally { cpu, flops: Default::default(), spent_ps: Default::default() }
     }
     /// FLOPs counted so far.
     pub fn flops(&self) -> u64 {
-        self.flops.load(Ordering::Relaxed)
+        self.flops.lock().expect("tally").values().sum()
     }
-    /// Seconds the counted products take at the measured rates.
-    pub fn ideal_s(&self) -> f64 {
-        self.ideal_ps.load(Ordering::Relaxed) as f64 * 1e-12
+    /// Seconds the counted products take at `rates`, `[MXFP4, BF16]`; `best` picks the best
+    /// repeats' rates instead of the median ones.
+    pub fn bound_s(&self, rates: &Rates, best: bool) -> [f64; 2] {
+        let mut s = [0.0; 2];
+        for (&(kind, rows), &flops) in self.flops.lock().expect("tally").iter() {
+            let table = match (kind, best) {
+                (0, false) => &rates.mxfp4,
+                (0, true) => &rates.mxfp4_best,
+                (_, false) => &rates.bf16,
+                (_, true) => &rates.bf16_best,
+            };
+            s[kind] += flops as f64 / Rates::at(table, rows);
+        }
+        s
+    }
+    /// Seconds spent in the MXFP4 and BF16 products.
+    pub fn spent_s(&self) -> [f64; 2] {
+        std::array::from_fn(|k| self.spent_ps[k].load(Ordering::Relaxed) as f64 * 1e-12)
     }
     /// Starts a new count.
     pub fn reset(&self) {
-        self.flops.store(0, Ordering::Relaxed);
-        self.ideal_ps.store(0, Ordering::Relaxed);
+        self.flops.lock().expect("tally").clear();
+        for k in 0..2 {
+            self.spent_ps[k].store(0, Ordering::Relaxed);
+        }
     }
-    fn add(&self, flops: usize, rate: f64) {
-        self.flops.fetch_add(flops as u64, Ordering::Relaxed);
-        self.ideal_ps.fetch_add((flops as f64 / rate * 1e12) as u64, Ordering::Relaxed);
+    /// Counts one product of kind `k` (0 MXFP4, 1 BF16) over `rows` token rows and times `run`.
+    fn add<T>(&self, k: usize, flops: usize, rows: usize, run: impl FnOnce() -> T) -> T {
+        *self.flops.lock().expect("tally").entry((k, rows)).or_default() += flops as u64;
+        let start = Instant::now();
+        let out = run();
+        self.spent_ps[k].fetch_add((start.elapsed().as_secs_f64() * 1e12) as u64, Ordering::Relaxed);
+        out
     }
 }
 
@@ -120,8 +176,7 @@ impl Backend for Tally {
         format!("{} (tallied)", self.cpu.name())
     }
     fn matmul_bf16(&self, x: &Mat, w: &Bf16Matrix) -> Mat {
-        self.add(2 * x.rows * w.rows * w.cols, Rates::at(&self.rates.bf16, x.rows));
-        self.cpu.matmul_bf16(x, w)
+        self.add(1, 2 * x.rows * w.rows * w.cols, x.rows, || self.cpu.matmul_bf16(x, w))
     }
     fn dot_bf16(&self, x: &[f32], w: &[u8]) -> f32 {
         self.cpu.dot_bf16(x, w)
@@ -131,8 +186,7 @@ impl Backend for Tally {
     }
     fn expert_forward(&self, cfg: &K3Config, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> deltafin_core::Result<Mat> {
         let s = layout.shape;
-        self.add(2 * 3 * z.rows * s.inter * s.latent, Rates::at(&self.rates.mxfp4, z.rows));
-        self.cpu.expert_forward(cfg, layout, bytes, z)
+        self.add(0, 2 * 3 * z.rows * s.inter * s.latent, z.rows, || self.cpu.expert_forward(cfg, layout, bytes, z))
     }
     fn mla_attend(&self, head: MlaHead<'_>, w_v: &Bf16Matrix, values: std::ops::Range<usize>) -> Vec<f32> {
         self.cpu.mla_attend(head, w_v, values)

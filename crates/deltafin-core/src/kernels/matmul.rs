@@ -55,6 +55,15 @@ fn product(isa: Isa, x: &Mat, w: &Bf16Matrix, panel_from: usize) -> Mat {
     // A panel task reads every token row's inputs once per K block: long prompts take bigger
     // blocks of weight rows, so the inputs are read fewer times (the panel still fits L2).
     let per_task = if t >= panel_from { PANEL_ROWS_PER_TASK } else { ROWS_PER_TASK };
+    // A prompt's inputs laid on cache lines once, which every panel task reads in place (a
+    // `Mat` row is `cols` floats from the next: at K3's widths, a multiple of 4 KB or half of
+    // one, which puts the rows a tile streams side by side in one or two L1 sets).
+    #[cfg(target_arch = "x86_64")]
+    let lined = (t >= panel_from && matches!(isa.kind(), super::dot::IsaKind::Avx2 | super::dot::IsaKind::Avx512)).then(|| {
+        let mut l = super::LinedRows::new(t, x.cols);
+        l.par_rows_mut().enumerate().for_each(|(i, r)| r.copy_from_slice(x.row(i)));
+        l
+    });
     let blocks: Vec<(usize, Vec<f32>)> = (0..w.rows.div_ceil(per_task))
         .into_par_iter()
         .map(|b| {
@@ -65,8 +74,18 @@ fn product(isa: Isa, x: &Mat, w: &Bf16Matrix, panel_from: usize) -> Mat {
             #[cfg(target_arch = "x86_64")]
             if let (kind @ (super::dot::IsaKind::Avx2 | super::dot::IsaKind::Avx512), true) = (isa.kind(), t >= panel_from) {
                 let (avx512, simd) = (kind == super::dot::IsaKind::Avx512, x.cols / super::LANES * super::LANES);
-                let xs: Vec<&[f32]> = (0..t).map(|ti| x.row(ti)).collect();
+                let xs: Vec<&[f32]> = lined.as_ref().map_or_else(|| (0..t).map(|ti| x.row(ti)).collect(), |l| l.refs());
                 let nrows = r1 - r0;
+                let mut tails;
+                let finish = if simd == x.cols {
+                    super::panel_x86::Finish::Sums { out: &mut block, row: 1, input: nrows }
+                } else {
+                    // Each value's tail columns (past the last 16) and lane reduction, as alone.
+                    tails = |r: usize, ti: usize, lanes: &[f32; super::LANES]| {
+                        block[ti * nrows + r] = super::dot::dot_bf16_scalar(xs[ti], ws[r], simd, *lanes)
+                    };
+                    super::panel_x86::Finish::Lanes(&mut tails)
+                };
                 // SAFETY: `isa` was made after feature detection; every row holds `2 * x.cols`
                 // bytes and every input `x.cols` floats (checked above).
                 unsafe {
@@ -76,8 +95,7 @@ fn product(isa: Isa, x: &Mat, w: &Bf16Matrix, panel_from: usize) -> Mat {
                         nrows,
                         simd,
                         |r, k, dst| super::panel_x86::widen_bf16(avx512, &ws[r][2 * k.start..2 * k.end], dst),
-                        // Each value's tail columns (past the last 16) and lane reduction, as alone.
-                        |r, ti, lanes| block[ti * nrows + r] = super::dot::dot_bf16_scalar(xs[ti], ws[r], simd, *lanes),
+                        finish,
                     )
                 };
                 return (r0, block);

@@ -9,6 +9,7 @@
 #[cfg(target_arch = "x86_64")]
 mod bf16_x86;
 mod dot;
+mod lined;
 mod matmul;
 mod mxfp4;
 #[cfg(target_arch = "x86_64")]
@@ -19,8 +20,11 @@ mod neon;
 mod panel_x86;
 
 pub use dot::{dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_f32, Isa, IsaKind, LANES};
+pub use lined::LinedRows;
 pub use matmul::{matmul_bf16, matmul_bf16_with, matmul_bf16_without_panels};
-pub use mxfp4::{dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_mxfp4, permute_for_mxfp4, Mxfp4Matrix};
+pub use mxfp4::{
+    dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_mxfp4, permute_for_mxfp4, permute_for_mxfp4_into, Mxfp4Matrix,
+};
 
 #[cfg(test)]
 mod tests;

@@ -31,15 +31,21 @@ pub fn e8m0_scale(s: u8) -> f32 {
 
 /// Reorders `x` (length a multiple of 32) so each group of 32 reads `[even cols.., odd cols..]`.
 pub fn permute_for_mxfp4(x: &[f32]) -> Vec<f32> {
-    assert_eq!(x.len() % 32, 0, "MXFP4 input length must be a multiple of 32");
     let mut out = vec![0f32; x.len()];
-    for (g, chunk) in x.chunks_exact(32).enumerate() {
+    permute_for_mxfp4_into(x, &mut out);
+    out
+}
+
+/// [`permute_for_mxfp4`] into `out` (as long as `x`).
+pub fn permute_for_mxfp4_into(x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len() % 32, 0, "MXFP4 input length must be a multiple of 32");
+    assert_eq!(out.len(), x.len(), "permute_for_mxfp4_into: output length differs");
+    for (chunk, out) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
         for j in 0..16 {
-            out[32 * g + j] = chunk[2 * j];
-            out[32 * g + 16 + j] = chunk[2 * j + 1];
+            out[j] = chunk[2 * j];
+            out[16 + j] = chunk[2 * j + 1];
         }
     }
-    out
 }
 
 /// The E2M1 values times each E8M0 scale, `[scale byte][code]`: every kernel multiplies by
@@ -204,7 +210,7 @@ mod tiles {
                         let (p, s) = w.row_bytes(rows.start + r);
                         decode_row(avx512, p.as_ptr(), s.as_ptr(), k.start / 32..k.end / 32, table, dst.as_mut_ptr())
                     },
-                    |r, i, lanes| out[r * t + i] = reduce_lanes(lanes),
+                    crate::kernels::panel_x86::Finish::Sums { out, row: t, input: 1 },
                 )
             };
             return;

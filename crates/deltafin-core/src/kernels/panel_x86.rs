@@ -16,6 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::dot::LANES;
+use super::lined::Line;
 
 /// Floats of a panel row per K block: a chunk of inputs (24 KB) stays in L1 while the block's
 /// panel rows (128 KB for 32 rows, in L2) stream past it. Hand-timed on K3's expert shape, 1024 ran
@@ -26,8 +27,17 @@ const K_BLOCK: usize = 1024;
 /// they share one set and evict each other).
 const STRIDE: usize = K_BLOCK + LANES;
 
+/// Where each finished (row, input) value goes.
+pub(super) enum Finish<'a> {
+    /// Value `(r, t)`, its lanes reduced as [`super::dot::reduce_lanes`] reduces them (in the
+    /// tile's registers, as the last K block ends), into `out[r * row + t * input]`.
+    Sums { out: &'a mut [f32], row: usize, input: usize },
+    /// Value `(r, t)`'s 16 lanes, for a caller that still adds columns past `len`.
+    Lanes(&'a mut dyn FnMut(usize, usize, &[f32; LANES])),
+}
+
 /// Every (row, input) value's 16 lane accumulators over the first `len` floats (a multiple of
-/// 16), from zero, handed to `finish(row, input, lanes)`.
+/// 16), from zero, delivered as `finish` says.
 ///
 /// `decode(r, k, out)` writes row `r`'s weights for floats `k` (a multiple of 16 at both ends)
 /// as F32 into `out[..k.len()]`, in the inputs' layout.
@@ -40,9 +50,13 @@ pub(super) unsafe fn lanes(
     rows: usize,
     len: usize,
     mut decode: impl FnMut(usize, std::ops::Range<usize>, &mut [f32]),
-    mut finish: impl FnMut(usize, usize, &[f32; LANES]),
+    mut finish: Finish<'_>,
 ) {
     let n = xs.len();
+    if let Finish::Sums { out, row, input } = &finish {
+        let last = (rows.max(1) - 1) * row + (n.max(1) - 1) * input;
+        assert!(rows == 0 || n == 0 || last < out.len(), "panel: value ({rows}, {n}) past the output");
+    }
     SCRATCH.with_borrow_mut(|scratch| {
         // Every buffer on 64-byte lines (a vector load across two lines costs two), kept by the
         // thread between calls: a fresh panel each call cost page faults and zeroing.
@@ -52,53 +66,104 @@ pub(super) unsafe fn lanes(
                 v.resize(len, Line([0.0; LANES]));
             }
         }
+        let sums = match &mut finish {
+            Finish::Sums { out, row, input } => Some((out.as_mut_ptr(), *row, *input)),
+            Finish::Lanes(_) => None,
+        };
         for k0 in (0..len).step_by(K_BLOCK) {
             let k = k0..(k0 + K_BLOCK).min(len);
             let panel = Line::floats(panel);
             for r in 0..rows {
                 decode(r, k.clone(), &mut panel[r * STRIDE..r * STRIDE + k.len()]);
             }
-            let at = Block { panel: panel.as_ptr(), k: k.clone(), lanes: lanes.as_mut_ptr() as *mut [f32; LANES], n, first: k0 == 0 };
+            let at = Block {
+                panel: panel.as_ptr(),
+                k: k.clone(),
+                lanes: lanes.as_mut_ptr() as *mut [f32; LANES],
+                n,
+                first: k0 == 0,
+                sums: if k.end == len { sums } else { None },
+            };
             // Inputs in chunks the register file holds (AVX-512: 4 rows x up to 6 inputs, 24 of
             // 32 registers accumulating; AVX2: 2 rows x up to 4 inputs of 8-lane halves, 8 of 16).
+            // Chunks as even as the widest allows (85 inputs: 10 of 6 and 5 of 5, not 14 of 6 and
+            // a lone input, whose tiles load 5 vectors per 4 FMAs).
             let widest = if avx512 { 6 } else { 4 };
+            let chunks = n.div_ceil(widest);
             let mut t0 = 0;
-            while t0 < n {
-                let m = (n - t0).min(widest);
-                // The chunk's inputs, copied onto aligned lines (in L1 for every row).
+            for c in 0..chunks {
+                let m = n / chunks + usize::from(c < n % chunks);
                 let chunk = Line::floats(chunk);
-                for t in 0..m {
-                    chunk[t * STRIDE..t * STRIDE + k.len()].copy_from_slice(&xs[t0 + t][k.clone()]);
-                }
                 let x = chunk.as_ptr();
+                let mut xp: [*const f32; 6] = std::array::from_fn(|t| x.wrapping_add(t * STRIDE));
+                if lined(&xs[t0..t0 + m], k0) {
+                    // Already on lines, in distinct L1 sets: read in place (no copy per task).
+                    for t in 0..m {
+                        xp[t] = xs[t0 + t][k0..].as_ptr();
+                    }
+                } else {
+                    // The chunk's inputs, copied onto aligned lines (in L1 for every row).
+                    for t in 0..m {
+                        chunk[t * STRIDE..t * STRIDE + k.len()].copy_from_slice(&xs[t0 + t][k.clone()]);
+                    }
+                }
                 // SAFETY: forwarded from the caller; the block's floats are inside every input
-                // and the panel, and its values inside `lanes`.
+                // and the panel, and its values inside `lanes` and the sums.
                 unsafe {
                     match (avx512, m) {
-                        (true, 6) => at.rows::<4, 6>(true, rows, t0, x),
-                        (true, 5) => at.rows::<4, 5>(true, rows, t0, x),
-                        (true, 4) => at.rows::<4, 4>(true, rows, t0, x),
-                        (true, 3) => at.rows::<4, 3>(true, rows, t0, x),
-                        (true, 2) => at.rows::<4, 2>(true, rows, t0, x),
-                        (true, _) => at.rows::<4, 1>(true, rows, t0, x),
-                        (false, 4) => at.rows::<2, 4>(false, rows, t0, x),
-                        (false, 3) => at.rows::<2, 3>(false, rows, t0, x),
-                        (false, 2) => at.rows::<2, 2>(false, rows, t0, x),
-                        (false, _) => at.rows::<2, 1>(false, rows, t0, x),
+                        (true, 6) => at.rows::<4, 6>(true, rows, t0, xp),
+                        (true, 5) => at.rows::<4, 5>(true, rows, t0, xp),
+                        (true, 4) => at.rows::<4, 4>(true, rows, t0, xp),
+                        (true, 3) => at.rows::<4, 3>(true, rows, t0, xp),
+                        (true, 2) => at.rows::<4, 2>(true, rows, t0, xp),
+                        (true, _) => at.rows::<4, 1>(true, rows, t0, xp),
+                        (false, 4) => at.rows::<2, 4>(false, rows, t0, xp),
+                        (false, 3) => at.rows::<2, 3>(false, rows, t0, xp),
+                        (false, 2) => at.rows::<2, 2>(false, rows, t0, xp),
+                        (false, _) => at.rows::<2, 1>(false, rows, t0, xp),
                     }
                 }
                 t0 += m;
             }
         }
-        if len == 0 {
-            lanes[..rows * n].fill(Line([0.0; LANES]));
-        }
-        for r in 0..rows {
-            for t in 0..n {
-                finish(r, t, &lanes[r * n + t].0);
+        match finish {
+            Finish::Sums { out, row, input } => {
+                if len == 0 {
+                    for r in 0..rows {
+                        for t in 0..n {
+                            out[r * row + t * input] = super::dot::reduce_lanes(&[0.0; LANES]);
+                        }
+                    }
+                }
+            }
+            Finish::Lanes(f) => {
+                if len == 0 {
+                    lanes[..rows * n].fill(Line([0.0; LANES]));
+                }
+                for r in 0..rows {
+                    for t in 0..n {
+                        f(r, t, &lanes[r * n + t].0);
+                    }
+                }
             }
         }
     });
+}
+
+/// Whether the inputs' floats from `k0` start on 64-byte lines that fall in distinct L1 sets
+/// (64 sets of 64-byte lines), so a tile can stream them in place without their lines evicting
+/// each other.
+fn lined(xs: &[&[f32]], k0: usize) -> bool {
+    let mut sets = 0u64;
+    for x in xs {
+        let at = x[k0..].as_ptr() as usize;
+        let set = 1u64 << ((at >> 6) & 63);
+        if !at.is_multiple_of(64) || sets & set != 0 {
+            return false;
+        }
+        sets |= set;
+    }
+    true
 }
 
 /// A thread's buffers: lanes of every value, the decoded panel, one chunk of inputs.
@@ -113,18 +178,6 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
-/// One cache line of floats.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; LANES]);
-
-impl Line {
-    fn floats(v: &mut [Line]) -> &mut [f32] {
-        // SAFETY: a `Line` is 16 floats with no padding (64 bytes, aligned to 64).
-        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut f32, v.len() * LANES) }
-    }
-}
-
 /// One K block of decoded panel rows against the inputs, and where its values' lanes live.
 struct Block {
     panel: *const f32,
@@ -133,15 +186,17 @@ struct Block {
     n: usize,
     /// The first K block: lanes start at zero, not from memory.
     first: bool,
+    /// The last K block with [`Finish::Sums`]: each value goes, reduced, to
+    /// `sums.0[r * sums.1 + t * sums.2]` instead of back to its lanes.
+    sums: Option<(*mut f32, usize, usize)>,
 }
 
 impl Block {
     /// Every panel row, `R` at a time (the tail one at a time), against inputs `t0..t0 + N`
-    /// (copied to `chunk`, `STRIDE` floats apart).
+    /// (the block's floats of input `t0 + t` at `xp[t]`).
     #[inline(always)]
-    unsafe fn rows<const R: usize, const N: usize>(&self, avx512: bool, rows: usize, t0: usize, chunk: *const f32) {
-        // SAFETY: the chunk holds N inputs, `STRIDE` floats apart.
-        let x: [*const f32; N] = std::array::from_fn(|t| unsafe { chunk.add(t * STRIDE) });
+    unsafe fn rows<const R: usize, const N: usize>(&self, avx512: bool, rows: usize, t0: usize, xp: [*const f32; 6]) {
+        let x: [*const f32; N] = std::array::from_fn(|t| xp[t]);
         let mut r = 0;
         while r < rows {
             // SAFETY: forwarded from `lanes`.
@@ -165,21 +220,24 @@ impl Block {
             let w: [*const f32; R] = std::array::from_fn(|i| self.panel.add((r0 + i) * STRIDE));
             let acc: [[*mut f32; N]; R] =
                 std::array::from_fn(|i| std::array::from_fn(|t| self.lanes.add((r0 + i) * self.n + t0 + t) as *mut f32));
+            let sums: Option<[[*mut f32; N]; R]> = self
+                .sums
+                .map(|(out, row, input)| std::array::from_fn(|i| std::array::from_fn(|t| out.add((r0 + i) * row + (t0 + t) * input))));
             if avx512 {
-                tile_avx512(w, x, self.k.len(), acc, self.first)
+                tile_avx512(w, x, self.k.len(), acc, self.first, sums)
             } else {
-                tile_avx2(w, x, self.k.len(), acc, self.first)
+                tile_avx2(w, x, self.k.len(), acc, self.first, sums)
             }
         }
     }
 }
 
 /// `R` panel rows x `N` inputs over `len` floats, each value's 16 lanes continued in `acc`
-/// (from zero where `first`).
+/// (from zero where `first`), or with `sums` the values reduced into them.
 ///
 /// # Safety
-/// AVX-512F must be available; every row and input holds `len` floats (a multiple of 16) and
-/// every `acc` points at 16 floats.
+/// AVX-512F must be available; every row and input holds `len` floats (a multiple of 16),
+/// every `acc` points at 16 floats and every `sums` at one.
 #[target_feature(enable = "avx512f")]
 unsafe fn tile_avx512<const R: usize, const N: usize>(
     w: [*const f32; R],
@@ -187,6 +245,7 @@ unsafe fn tile_avx512<const R: usize, const N: usize>(
     len: usize,
     acc: [[*mut f32; N]; R],
     first: bool,
+    sums: Option<[[*mut f32; N]; R]>,
 ) {
     // SAFETY: the caller's contract.
     unsafe {
@@ -203,10 +262,40 @@ unsafe fn tile_avx512<const R: usize, const N: usize>(
         }
         for r in 0..R {
             for t in 0..N {
-                _mm512_storeu_ps(acc[r][t], a[r][t]);
+                match sums {
+                    Some(s) => *s[r][t] = reduce16(a[r][t]),
+                    None => _mm512_storeu_ps(acc[r][t], a[r][t]),
+                }
             }
         }
     }
+}
+
+/// A value's 16 lanes reduced in [`super::dot::reduce_lanes`]'s order: `a[j] = lane j +
+/// lane j + 8`, then `a[j] + a[j + 4]`, `b[j] + b[j + 2]`, `c[0] + c[1]`.
+///
+/// Only 512-bit operations: a 256- or 128-bit view of an accumulator needs AVX-512VL to stay in
+/// registers 16-31, so without it the compiler keeps every accumulator in the lower 16 and
+/// spilled 6 of a 4 x 6 tile's 24 to the stack inside the loop.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn reduce16(v: __m512) -> f32 {
+    // Lanes 0-7 get lanes 8-15 (128-bit blocks 2, 3), then 0-3 get 4-7 (block 1).
+    let a = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b11_10_11_10>(v, v));
+    let b = _mm512_add_ps(a, _mm512_shuffle_f32x4::<0b01_01_01_01>(a, a));
+    // Within the block: lanes 0, 1 get lanes 2, 3, then lane 0 gets lane 1.
+    let c = _mm512_add_ps(b, _mm512_permute_ps::<0b11_10_11_10>(b));
+    _mm512_cvtss_f32(_mm512_add_ps(c, _mm512_permute_ps::<0b01_01_01_01>(c)))
+}
+
+/// As [`reduce16`] on AVX2, lanes 0-7 in `lo` and 8-15 in `hi`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn reduce_halves(lo: __m256, hi: __m256) -> f32 {
+    let a = _mm256_add_ps(lo, hi);
+    let b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+    let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<1>(c, c)))
 }
 
 /// As [`tile_avx512`] on AVX2 + FMA: lanes 0-7 over the block, then lanes 8-15 (independent
@@ -221,6 +310,7 @@ unsafe fn tile_avx2<const R: usize, const N: usize>(
     len: usize,
     acc: [[*mut f32; N]; R],
     first: bool,
+    sums: Option<[[*mut f32; N]; R]>,
 ) {
     // SAFETY: the caller's contract.
     unsafe {
@@ -239,7 +329,11 @@ unsafe fn tile_avx2<const R: usize, const N: usize>(
             }
             for r in 0..R {
                 for t in 0..N {
-                    _mm256_storeu_ps(acc[r][t].add(h), a[r][t]);
+                    match sums {
+                        // Lanes 0-7 went to `acc` in the first pass.
+                        Some(s) if h == 8 => *s[r][t] = reduce_halves(_mm256_loadu_ps(acc[r][t]), a[r][t]),
+                        _ => _mm256_storeu_ps(acc[r][t].add(h), a[r][t]),
+                    }
                 }
             }
         }

@@ -104,12 +104,17 @@ fn mxfp4_tiles_equal_each_lone_dot_bitwise() {
         let (p, s) = w.row_bytes(r);
         dot_mxfp4(Isa::SCALAR, x, p, s)
     };
+    // The same inputs on cache lines, which the panels read in place instead of copying.
+    let mut lined = LinedRows::new(xs.len(), cols);
+    for (i, x) in xs.iter().enumerate() {
+        lined.row_mut(i).copy_from_slice(x);
+    }
     // Input counts: every tile width, its tails, and more than one tile of inputs; from 32 the
-    // rows are decoded into panels shared by tiles of 6 inputs (AVX-512) or 4 (AVX2), so 32-36
-    // leave every tail of those.
+    // rows are decoded into panels shared by chunks of 5-6 inputs (AVX-512) or 3-4 (AVX2), so
+    // 32-36 leave every width of those.
     for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 33, 34, 35, 36] {
-        let refs: Vec<&[f32]> = xs[..n].iter().map(|x| &x[..]).collect();
-        for isa in Isa::available() {
+        let copied: Vec<&[f32]> = xs[..n].iter().map(|x| &x[..]).collect();
+        for (isa, refs) in Isa::available().into_iter().flat_map(|isa| [(isa, copied.clone()), (isa, lined.refs()[..n].to_vec())]) {
             for block in [0..rows, 3..rows, 5..6] {
                 let mut out = vec![f32::NAN; block.len() * n];
                 matmul_mxfp4(isa, &refs, &w, block.clone(), &mut out);

@@ -11,7 +11,7 @@ use super::loader::Loader;
 use crate::backend::Backend;
 use crate::config::{ExpertShape, K3Config};
 use crate::error::{Error, Result};
-use crate::kernels::{matmul_mxfp4, permute_for_mxfp4, Isa, Mxfp4Matrix};
+use crate::kernels::{matmul_mxfp4, permute_for_mxfp4_into, Isa, LinedRows, Mxfp4Matrix};
 use crate::math::{sigmoid, situ_in_place};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
@@ -159,6 +159,28 @@ const PROMPT_ROW_BLOCK: usize = 128;
 /// Tokens from which an expert's tasks take [`PROMPT_ROW_BLOCK`] rows.
 const PROMPT_ROWS: usize = 32;
 
+/// Weight rows per parallel task when [`expert_forward`] runs `tokens` token rows: the split a
+/// benchmark of the expert kernels must use to measure what the engine runs.
+pub fn expert_row_block(tokens: usize) -> usize {
+    if tokens >= PROMPT_ROWS {
+        PROMPT_ROW_BLOCK
+    } else {
+        ROW_BLOCK
+    }
+}
+
+/// Fills each row `i` of `rows` with `fill(i, row)`, on every core for a prompt's many rows
+/// (on one for decode's few, where handing work to threads costs more than it saves).
+fn fill_rows(rows: &mut LinedRows, fill: impl Fn(usize, &mut [f32]) + Sync + Send) {
+    if rows.rows() >= PROMPT_ROWS {
+        rows.par_rows_mut().enumerate().for_each(|(i, r)| fill(i, r));
+    } else {
+        for i in 0..rows.rows() {
+            fill(i, rows.row_mut(i));
+        }
+    }
+}
+
 /// One expert applied to some latent rows: `w2(situ(w3 z, w1 z))`, straight from its bytes.
 pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
     let [w1, w2, w3] = layout.matrices(bytes)?;
@@ -167,9 +189,11 @@ pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[
     // each weight group once for several token rows and cache-blocks a prompt's inputs. Every
     // value is still its one fixed-order dot, whatever the number of tokens.
     let t = z.rows;
-    let block = if t >= PROMPT_ROWS { PROMPT_ROW_BLOCK } else { ROW_BLOCK };
-    let zp: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(z.row(i))).collect();
-    let zr: Vec<&[f32]> = zp.iter().map(|x| &x[..]).collect();
+    let block = expert_row_block(t);
+    // Inputs on cache lines, which the prompt kernels read in place from every task.
+    let mut zp = LinedRows::new(t, z.cols);
+    fill_rows(&mut zp, |i, out| permute_for_mxfp4_into(z.row(i), out));
+    let zr = zp.refs();
     // Row-major `[row][token]` outputs written in place.
     let mut act = vec![0f32; inter * t];
     act.par_chunks_mut(t * block).enumerate().for_each(|(b, act)| {
@@ -179,17 +203,28 @@ pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[
         matmul_mxfp4(isa, &zr, &w1, rows, &mut up);
         situ_in_place(isa, act, &up, cfg.situ_beta, cfg.situ_linear_beta);
     });
-    let ap: Vec<Vec<f32>> = (0..t).map(|i| permute_for_mxfp4(&(0..inter).map(|r| act[r * t + i]).collect::<Vec<_>>())).collect();
-    let ar: Vec<&[f32]> = ap.iter().map(|x| &x[..]).collect();
+    // Token `i`'s activations, column `c` from `act[c * t + i]`, permuted for MXFP4.
+    let mut ap = LinedRows::new(t, inter);
+    fill_rows(&mut ap, |i, out| {
+        for (c, v) in act.iter().skip(i).step_by(t.max(1)).enumerate() {
+            out[32 * (c / 32) + 16 * (c % 2) + (c % 32) / 2] = *v;
+        }
+    });
+    let ar = ap.refs();
     let mut y = vec![0f32; latent * t];
     y.par_chunks_mut(t * block).enumerate().for_each(|(b, y)| {
         matmul_mxfp4(isa, &ar, &w2, b * block..b * block + y.len() / t, y);
     });
     let mut out = Mat::zeros(z.rows, latent);
-    for i in 0..t {
-        for (r, o) in out.row_mut(i).iter_mut().enumerate() {
+    let transpose = |(i, o): (usize, &mut [f32])| {
+        for (r, o) in o.iter_mut().enumerate() {
             *o = y[r * t + i];
         }
+    };
+    if t >= PROMPT_ROWS {
+        out.data.par_chunks_mut(latent.max(1)).enumerate().for_each(transpose);
+    } else {
+        out.data.chunks_mut(latent.max(1)).enumerate().for_each(transpose);
     }
     Ok(out)
 }
