@@ -17,7 +17,7 @@ mod common;
 use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{
-    dot_bf16, dot_f32, expert_row_block, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, permute_for_mxfp4,
+    dot_bf16, dot_f32, expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, permute_for_mxfp4,
     permute_for_mxfp4_into, Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix,
 };
 use rayon::prelude::*;
@@ -145,13 +145,11 @@ fn bench(c: &mut Criterion) {
             let w = Mxfp4Matrix::new(ROWS, COLS, &packed, &scales).unwrap();
             // The engine's split (`expert_forward`): blocks of rows in parallel, each one
             // `matmul_mxfp4` over every input.
-            let block = expert_row_block(n);
+            let chunks = expert_row_chunks(ROWS, n);
             g.bench_function(BenchmarkId::new(format!("mxfp4 {name}"), n), |b| {
                 b.iter(|| {
                     let mut out = vec![0f32; ROWS * n];
-                    out.par_chunks_mut(n * block)
-                        .enumerate()
-                        .for_each(|(b, o)| matmul_mxfp4(isa, &refs, &w, block * b..block * b + block, o));
+                    for_row_chunks(&mut out, n, &chunks, |rows, o| matmul_mxfp4(isa, &refs, &w, rows, o));
                     out
                 })
             });

@@ -3,6 +3,12 @@
 //! Activations are small (tokens x hidden) and always F32, so a plain `Vec<f32>` with a row
 //! stride is all the engine needs; weights never live here.
 
+use rayon::prelude::*;
+
+/// Rows from which [`Mat::for_each_row`] hands rows to every core: a prompt's many rows, not
+/// decode's few (waking a thread costs more than a decode row's work).
+const PAR_ROWS: usize = 32;
+
 /// A row-major `[rows, cols]` F32 matrix.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Mat {
@@ -30,6 +36,17 @@ impl Mat {
     #[inline]
     pub fn row_mut(&mut self, r: usize) -> &mut [f32] {
         &mut self.data[r * self.cols..(r + 1) * self.cols]
+    }
+    /// `f(r, row r)` for every row: on every core from [`PAR_ROWS`] rows, else on this thread.
+    /// Each row is its own work, so the result does not depend on which core ran it.
+    pub fn for_each_row(&mut self, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+        // `max(1)`: chunks need a nonzero size even for a matrix without columns.
+        let cols = self.cols.max(1);
+        if self.rows >= PAR_ROWS {
+            self.data.par_chunks_mut(cols).enumerate().for_each(|(r, row)| f(r, row));
+        } else {
+            self.data.chunks_mut(cols).enumerate().for_each(|(r, row)| f(r, row));
+        }
     }
     /// The rows `[start, start + n)` as a new matrix.
     pub fn rows_range(&self, start: usize, n: usize) -> Mat {

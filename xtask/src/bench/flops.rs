@@ -12,10 +12,9 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use deltafin_core::{
-    expert_row_block, matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4_into, Backend, Bf16Matrix, Bytes, Cpu, ExpertLayout, K3Config,
-    LinedRows, Mat, MlaHead, Mxfp4Matrix,
+    expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4_into, Backend, Bf16Matrix, Bytes, Cpu,
+    ExpertLayout, K3Config, LinedRows, Mat, MlaHead, Mxfp4Matrix,
 };
-use rayon::prelude::*;
 
 /// Row counts the rates are measured at.
 const ROWS: [usize; 4] = [1, 8, 64, 512];
@@ -57,12 +56,10 @@ impl Rates {
             }
             let refs = lined.refs();
             // The engine's split: `expert_forward`'s blocks of rows for this many tokens.
-            let block = expert_row_block(n);
+            let chunks = expert_row_chunks(rows, n);
             let mxfp4 = || {
                 let mut out = vec![0f32; rows * n];
-                out.par_chunks_mut(block * n)
-                    .enumerate()
-                    .for_each(|(b, o)| matmul_mxfp4(isa, &refs, &w, block * b..block * b + o.len() / n, o));
+                for_row_chunks(&mut out, n, &chunks, |r, o| matmul_mxfp4(isa, &refs, &w, r, o));
                 out
             };
             let (median, best) = repeat_seconds(mxfp4);

@@ -64,75 +64,71 @@ fn product(isa: Isa, x: &Mat, w: &Bf16Matrix, panel_from: usize) -> Mat {
         l.par_rows_mut().enumerate().for_each(|(i, r)| r.copy_from_slice(x.row(i)));
         l
     });
-    let blocks: Vec<(usize, Vec<f32>)> = (0..w.rows.div_ceil(per_task))
-        .into_par_iter()
-        .map(|b| {
-            let r0 = b * per_task;
-            let r1 = (r0 + per_task).min(w.rows);
-            let mut block = vec![0f32; t * (r1 - r0)];
-            let ws: Vec<&[u8]> = (r0..r1).map(|r| w.row(r)).collect();
+    // Chunks shrink toward the end and go to whichever thread is free (`chunks`).
+    let chunks = super::row_chunks(w.rows, per_task, ROWS_PER_TASK, rayon::current_num_threads());
+    let blocks: Vec<(usize, Vec<f32>)> = super::first_come(chunks, |rows| {
+        let (r0, r1) = (rows.start, rows.end);
+        let mut block = vec![0f32; t * (r1 - r0)];
+        let ws: Vec<&[u8]> = (r0..r1).map(|r| w.row(r)).collect();
+        #[cfg(target_arch = "x86_64")]
+        if let (kind @ (super::dot::IsaKind::Avx2 | super::dot::IsaKind::Avx512), true) = (isa.kind(), t >= panel_from) {
+            let (avx512, simd) = (kind == super::dot::IsaKind::Avx512, x.cols / super::LANES * super::LANES);
+            let xs: Vec<&[f32]> = lined.as_ref().map_or_else(|| (0..t).map(|ti| x.row(ti)).collect(), |l| l.refs());
+            let nrows = r1 - r0;
+            let mut tails;
+            let finish = if simd == x.cols {
+                super::panel_x86::Finish::Sums { out: &mut block, row: 1, input: nrows }
+            } else {
+                // Each value's tail columns (past the last 16) and lane reduction, as alone.
+                tails = |r: usize, ti: usize, lanes: &[f32; super::LANES]| {
+                    block[ti * nrows + r] = super::dot::dot_bf16_scalar(xs[ti], ws[r], simd, *lanes)
+                };
+                super::panel_x86::Finish::Lanes(&mut tails)
+            };
+            // SAFETY: `isa` was made after feature detection; every row holds `2 * x.cols`
+            // bytes and every input `x.cols` floats (checked above).
+            unsafe {
+                super::panel_x86::lanes(
+                    avx512,
+                    &xs,
+                    nrows,
+                    simd,
+                    |r, k, dst| super::panel_x86::widen_bf16(avx512, &ws[r][2 * k.start..2 * k.end], dst),
+                    finish,
+                )
+            };
+            return (r0, block);
+        }
+        // Token rows a tile at a time: the tile's inputs stay in cache while the block's
+        // weight rows pass over them (each value is still one dot).
+        let mut vals = [0f32; TOKEN_TILE];
+        for tile in (0..t).step_by(TOKEN_TILE) {
+            let end = (tile + TOKEN_TILE).min(t);
+            let xs: Vec<&[f32]> = (tile..end).map(|ti| x.row(ti)).collect();
+            if xs.len() < SHARE_INPUTS_FROM {
+                // Decode-sized: too few token rows to share a weight row, so weight rows
+                // share each input instead (independent chains either way).
+                for (ti, xr) in (tile..end).zip(&xs) {
+                    dot_bf16_rows(isa, xr, &ws, &mut block[ti * (r1 - r0)..(ti + 1) * (r1 - r0)]);
+                }
+                continue;
+            }
             #[cfg(target_arch = "x86_64")]
-            if let (kind @ (super::dot::IsaKind::Avx2 | super::dot::IsaKind::Avx512), true) = (isa.kind(), t >= panel_from) {
-                let (avx512, simd) = (kind == super::dot::IsaKind::Avx512, x.cols / super::LANES * super::LANES);
-                let xs: Vec<&[f32]> = lined.as_ref().map_or_else(|| (0..t).map(|ti| x.row(ti)).collect(), |l| l.refs());
-                let nrows = r1 - r0;
-                let mut tails;
-                let finish = if simd == x.cols {
-                    super::panel_x86::Finish::Sums { out: &mut block, row: 1, input: nrows }
-                } else {
-                    // Each value's tail columns (past the last 16) and lane reduction, as alone.
-                    tails = |r: usize, ti: usize, lanes: &[f32; super::LANES]| {
-                        block[ti * nrows + r] = super::dot::dot_bf16_scalar(xs[ti], ws[r], simd, *lanes)
-                    };
-                    super::panel_x86::Finish::Lanes(&mut tails)
-                };
-                // SAFETY: `isa` was made after feature detection; every row holds `2 * x.cols`
-                // bytes and every input `x.cols` floats (checked above).
-                unsafe {
-                    super::panel_x86::lanes(
-                        avx512,
-                        &xs,
-                        nrows,
-                        simd,
-                        |r, k, dst| super::panel_x86::widen_bf16(avx512, &ws[r][2 * k.start..2 * k.end], dst),
-                        finish,
-                    )
-                };
-                return (r0, block);
+            if let kind @ (super::dot::IsaKind::Avx2 | super::dot::IsaKind::Avx512) = isa.kind() {
+                // SAFETY: `isa` was made after feature detection; every row holds
+                // `2 * x.cols` bytes (a `Bf16Matrix` of `x.cols` columns, checked above).
+                unsafe { super::bf16_x86::block(kind == super::dot::IsaKind::Avx512, &xs, &ws, x.cols, &mut block[tile * (r1 - r0)..]) };
+                continue;
             }
-            // Token rows a tile at a time: the tile's inputs stay in cache while the block's
-            // weight rows pass over them (each value is still one dot).
-            let mut vals = [0f32; TOKEN_TILE];
-            for tile in (0..t).step_by(TOKEN_TILE) {
-                let end = (tile + TOKEN_TILE).min(t);
-                let xs: Vec<&[f32]> = (tile..end).map(|ti| x.row(ti)).collect();
-                if xs.len() < SHARE_INPUTS_FROM {
-                    // Decode-sized: too few token rows to share a weight row, so weight rows
-                    // share each input instead (independent chains either way).
-                    for (ti, xr) in (tile..end).zip(&xs) {
-                        dot_bf16_rows(isa, xr, &ws, &mut block[ti * (r1 - r0)..(ti + 1) * (r1 - r0)]);
-                    }
-                    continue;
-                }
-                #[cfg(target_arch = "x86_64")]
-                if let kind @ (super::dot::IsaKind::Avx2 | super::dot::IsaKind::Avx512) = isa.kind() {
-                    // SAFETY: `isa` was made after feature detection; every row holds
-                    // `2 * x.cols` bytes (a `Bf16Matrix` of `x.cols` columns, checked above).
-                    unsafe {
-                        super::bf16_x86::block(kind == super::dot::IsaKind::Avx512, &xs, &ws, x.cols, &mut block[tile * (r1 - r0)..])
-                    };
-                    continue;
-                }
-                for (r, wr) in (r0..r1).zip(&ws) {
-                    dot_bf16_inputs(isa, &xs, wr, &mut vals[..end - tile]);
-                    for (ti, v) in (tile..end).zip(vals) {
-                        block[ti * (r1 - r0) + (r - r0)] = v;
-                    }
+            for (r, wr) in (r0..r1).zip(&ws) {
+                dot_bf16_inputs(isa, &xs, wr, &mut vals[..end - tile]);
+                for (ti, v) in (tile..end).zip(vals) {
+                    block[ti * (r1 - r0) + (r - r0)] = v;
                 }
             }
-            (r0, block)
-        })
-        .collect();
+        }
+        (r0, block)
+    });
     for (r0, block) in blocks {
         let width = block.len() / t.max(1);
         for ti in 0..t {

@@ -8,6 +8,7 @@
 
 #[cfg(target_arch = "x86_64")]
 mod bf16_x86;
+mod chunks;
 mod dot;
 mod lined;
 mod matmul;
@@ -19,6 +20,7 @@ mod neon;
 #[cfg(target_arch = "x86_64")]
 mod panel_x86;
 
+pub use chunks::{first_come, for_row_chunks, row_chunks};
 pub use dot::{dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_f32, Isa, IsaKind, LANES};
 pub use lined::LinedRows;
 pub use matmul::{matmul_bf16, matmul_bf16_with, matmul_bf16_without_panels};

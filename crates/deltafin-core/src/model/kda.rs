@@ -189,8 +189,7 @@ impl KdaWeights {
             let mut hist: Vec<f32> = st.to_vec();
             hist.extend_from_slice(&m.data);
             let w = &self.conv[i];
-            for t in 0..t_len {
-                let out = m.row_mut(t);
+            m.for_each_row(|t, out| {
                 for ch in 0..c {
                     let mut acc = 0f32;
                     for j in 0..kern {
@@ -198,30 +197,32 @@ impl KdaWeights {
                     }
                     out[ch] = silu(acc);
                 }
-            }
+            });
             st.copy_from_slice(&hist[hist.len() - (kern - 1) * c..]);
         }
         let [mut q, mut k, v] = qkv;
         let scale = crate::math::inv_sqrt_of(d);
-        for t in 0..t_len {
-            for hh in 0..heads {
-                let qh = &mut q.row_mut(t)[hh * d..(hh + 1) * d];
+        q.for_each_row(|_, row| {
+            for qh in row.chunks_exact_mut(d).take(heads) {
                 let nq = 1.0 / (be.dot_f32(qh, qh) + 1e-6).sqrt();
                 qh.iter_mut().for_each(|v| *v = *v * nq * scale);
-                let kh = &mut k.row_mut(t)[hh * d..(hh + 1) * d];
+            }
+        });
+        k.for_each_row(|_, row| {
+            for kh in row.chunks_exact_mut(d).take(heads) {
                 let nk = 1.0 / (be.dot_f32(kh, kh) + 1e-6).sqrt();
                 kh.iter_mut().for_each(|v| *v *= nk);
             }
-        }
+        });
         let a = be.matmul_bf16(&be.matmul_bf16(x, &self.f_a), &self.f_b);
         let lb = cfg.gate_lower_bound;
         let mut decay = Mat::zeros(t_len, c);
-        for t in 0..t_len {
-            for ch in 0..c {
+        decay.for_each_row(|t, row| {
+            for (ch, out) in row.iter_mut().enumerate() {
                 let g = lb * sigmoid(self.a_exp[ch / d] * (a.row(t)[ch] + self.dt_bias[ch]));
-                decay.row_mut(t)[ch] = crate::math::exp(g);
+                *out = crate::math::exp(g);
             }
-        }
+        });
         let b = be.matmul_bf16(x, &self.b_proj);
         let beta: Vec<f32> = b.data.iter().map(|&v| sigmoid(v)).collect();
 
@@ -269,15 +270,14 @@ impl KdaWeights {
             }
         }
         let gate = be.matmul_bf16(x, &self.g_proj);
-        for t in 0..t_len {
-            let row = o.row_mut(t);
+        o.for_each_row(|t, row| {
             for hh in 0..heads {
                 be.rms_norm_in_place(&mut row[hh * d..(hh + 1) * d], Some(&self.o_norm), cfg.rms_norm_eps);
             }
             for (v, g) in row.iter_mut().zip(gate.row(t)) {
                 *v *= sigmoid(*g);
             }
-        }
+        });
         be.matmul_bf16(&o, &self.o_proj)
     }
 }

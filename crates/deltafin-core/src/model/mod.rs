@@ -17,7 +17,7 @@ pub use attn_res::Residual;
 pub(crate) use kda::recurrent_step;
 pub use kda::{chunked_delta_rule, KdaState, Recording};
 pub use mla::MlaCache;
-pub use moe::{expert_forward, expert_row_block, ExpertLayout, MoeCombine, Route};
+pub use moe::{expert_forward, expert_row_chunks, ExpertLayout, MoeCombine, Route};
 
 use crate::backend::{Backend, Cpu};
 use crate::config::{AttentionKind, K3Config, MlpKind};

@@ -11,7 +11,7 @@ use super::loader::Loader;
 use crate::backend::Backend;
 use crate::config::{ExpertShape, K3Config};
 use crate::error::{Error, Result};
-use crate::kernels::{matmul_mxfp4, permute_for_mxfp4_into, Isa, LinedRows, Mxfp4Matrix};
+use crate::kernels::{for_row_chunks, matmul_mxfp4, permute_for_mxfp4_into, row_chunks, Isa, LinedRows, Mxfp4Matrix};
 use crate::math::{sigmoid, situ_in_place};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
@@ -159,14 +159,13 @@ const PROMPT_ROW_BLOCK: usize = 128;
 /// Tokens from which an expert's tasks take [`PROMPT_ROW_BLOCK`] rows.
 const PROMPT_ROWS: usize = 32;
 
-/// Weight rows per parallel task when [`expert_forward`] runs `tokens` token rows: the split a
-/// benchmark of the expert kernels must use to measure what the engine runs.
-pub fn expert_row_block(tokens: usize) -> usize {
-    if tokens >= PROMPT_ROWS {
-        PROMPT_ROW_BLOCK
-    } else {
-        ROW_BLOCK
-    }
+/// The chunks of weight rows [`expert_forward`]'s threads take, first come, first served, when
+/// it runs `tokens` token rows over a matrix of `rows` rows: the split a benchmark of the expert
+/// kernels must use to measure what the engine runs. Chunks shrink from the task size to
+/// [`ROW_BLOCK`] toward the end, so no core waits long on the other's last chunk.
+pub fn expert_row_chunks(rows: usize, tokens: usize) -> Vec<std::ops::Range<usize>> {
+    let block = if tokens >= PROMPT_ROWS { PROMPT_ROW_BLOCK } else { ROW_BLOCK };
+    row_chunks(rows, block, ROW_BLOCK, rayon::current_num_threads())
 }
 
 /// Fills each row `i` of `rows` with `fill(i, row)`, on every core for a prompt's many rows
@@ -185,19 +184,17 @@ fn fill_rows(rows: &mut LinedRows, fill: impl Fn(usize, &mut [f32]) + Sync + Sen
 pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
     let [w1, w2, w3] = layout.matrices(bytes)?;
     let (inter, latent) = (layout.shape.inter, layout.shape.latent);
-    // Rows go to threads in blocks; `matmul_mxfp4` walks a block in register tiles that decode
+    // Rows go to threads in chunks; `matmul_mxfp4` walks a chunk in register tiles that decode
     // each weight group once for several token rows and cache-blocks a prompt's inputs. Every
     // value is still its one fixed-order dot, whatever the number of tokens.
     let t = z.rows;
-    let block = expert_row_block(t);
     // Inputs on cache lines, which the prompt kernels read in place from every task.
     let mut zp = LinedRows::new(t, z.cols);
     fill_rows(&mut zp, |i, out| permute_for_mxfp4_into(z.row(i), out));
     let zr = zp.refs();
     // Row-major `[row][token]` outputs written in place.
     let mut act = vec![0f32; inter * t];
-    act.par_chunks_mut(t * block).enumerate().for_each(|(b, act)| {
-        let rows = b * block..b * block + act.len() / t;
+    for_row_chunks(&mut act, t, &expert_row_chunks(inter, t), |rows, act| {
         let mut up = vec![0f32; act.len()];
         matmul_mxfp4(isa, &zr, &w3, rows.clone(), act);
         matmul_mxfp4(isa, &zr, &w1, rows, &mut up);
@@ -212,20 +209,13 @@ pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[
     });
     let ar = ap.refs();
     let mut y = vec![0f32; latent * t];
-    y.par_chunks_mut(t * block).enumerate().for_each(|(b, y)| {
-        matmul_mxfp4(isa, &ar, &w2, b * block..b * block + y.len() / t, y);
-    });
+    for_row_chunks(&mut y, t, &expert_row_chunks(latent, t), |rows, y| matmul_mxfp4(isa, &ar, &w2, rows, y));
     let mut out = Mat::zeros(z.rows, latent);
-    let transpose = |(i, o): (usize, &mut [f32])| {
+    out.for_each_row(|i, o| {
         for (r, o) in o.iter_mut().enumerate() {
             *o = y[r * t + i];
         }
-    };
-    if t >= PROMPT_ROWS {
-        out.data.par_chunks_mut(latent.max(1)).enumerate().for_each(transpose);
-    } else {
-        out.data.chunks_mut(latent.max(1)).enumerate().for_each(transpose);
-    }
+    });
     Ok(out)
 }
 
@@ -278,9 +268,8 @@ impl MoeCombine {
     fn sum(&self, skip_missing: bool) -> Mat {
         let k = self.routes.first().map_or(0, |r| r.experts.len());
         let mut out = Mat::zeros(self.routes.len(), self.latent);
-        for (t, r) in self.routes.iter().enumerate() {
-            let o = out.row_mut(t);
-            for (s, w) in r.weights.iter().enumerate() {
+        out.for_each_row(|t, o| {
+            for (s, w) in self.routes[t].weights.iter().enumerate() {
                 let Some(y) = self.slots[t * k + s].as_ref() else {
                     assert!(skip_missing, "expert output missing");
                     continue;
@@ -289,7 +278,7 @@ impl MoeCombine {
                     *oi += w * yi;
                 }
             }
-        }
+        });
         out
     }
 }
