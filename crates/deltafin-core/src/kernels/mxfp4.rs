@@ -182,6 +182,9 @@ mod tiles {
     /// measures both at 64 and 512).
     pub(crate) const PANEL_FROM: usize = 32;
 
+    /// Rows ahead whose codes a panel's decode asks for (`decode_row`).
+    const AHEAD_ROWS: usize = 2;
+
     /// Bytes of the inputs one K block spans: with the block's weight rows and lane
     /// accumulators it stays in L1 while every row of the block passes over it.
     const X_BLOCK_BYTES: usize = 16 << 10;
@@ -208,7 +211,15 @@ mod tiles {
                     w.cols,
                     |r, k, dst| {
                         let (p, s) = w.row_bytes(rows.start + r);
-                        decode_row(avx512, p.as_ptr(), s.as_ptr(), k.start / 32..k.end / 32, table, dst.as_mut_ptr())
+                        decode_row(
+                            avx512,
+                            p.as_ptr(),
+                            s.as_ptr(),
+                            k.start / 32..k.end / 32,
+                            table,
+                            dst.as_mut_ptr(),
+                            AHEAD_ROWS * w.cols / 2,
+                        )
                     },
                     crate::kernels::panel_x86::Finish::Sums { out, row: t, input: 1 },
                 )

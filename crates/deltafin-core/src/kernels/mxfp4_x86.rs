@@ -162,6 +162,11 @@ pub(super) unsafe fn tile_avx2<const R: usize, const N: usize>(tile: &Tile<'_, R
 /// Writes one row's groups `groups` decoded to F32 into `out` (32 floats a group: its even
 /// columns, then its odd ones, the layout of a permuted input), for a prompt's panel.
 ///
+/// It first asks for the same groups of the row `ahead` bytes of codes (and `ahead / 16` of
+/// scales) further on: a panel decodes a block of rows one after another, each a short run of
+/// lines from the last, too short for the hardware prefetcher to ramp up on, so a matrix from
+/// DRAM (an expert just read, never in cache) would otherwise wait on each row's lines.
+///
 /// # Safety
 /// The chosen instruction set must be available; `packed` and `scales` cover the groups and
 /// `out` holds `32 * groups.len()` floats.
@@ -172,7 +177,17 @@ pub(super) unsafe fn decode_row(
     groups: std::ops::Range<usize>,
     table: &[[f32; 16]; 256],
     out: *mut f32,
+    ahead: usize,
 ) {
+    for line in (16 * groups.start..16 * groups.end).step_by(64) {
+        // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults,
+        // whatever the address (SSE is part of x86-64).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(packed.wrapping_add(ahead + line) as *const i8) };
+    }
+    for line in (groups.start..groups.end).step_by(64) {
+        // SAFETY: as above.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(scales.wrapping_add(ahead / 16 + line) as *const i8) };
+    }
     // SAFETY: the caller's contract.
     unsafe {
         if avx512 {
