@@ -14,9 +14,12 @@ use super::dot::{dot_bf16_inputs, dot_bf16_rows, Isa};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
-/// Output rows per parallel task: big enough to amortize scheduling, small enough to balance.
+/// Output rows of the last chunks threads take (the most a core may wait on the other).
 const ROWS_PER_TASK: usize = 32;
-/// Output rows per task where the token rows share a decoded panel.
+/// Output rows of the first chunks: a panel chunk reads every token row's inputs once per K
+/// block, so long prompts want big ones (the panel still fits L2); and each chunk handed out
+/// costs atomics whose cache lines move between the cores, too much for 32 rows of a
+/// decode-sized product.
 const PANEL_ROWS_PER_TASK: usize = 128;
 /// Token rows walked together (32 x 28 KB of F32 inputs at K3's width: in L2).
 const TOKEN_TILE: usize = 32;
@@ -52,9 +55,6 @@ fn product(isa: Isa, x: &Mat, w: &Bf16Matrix, panel_from: usize) -> Mat {
     let t = x.rows;
     let mut out = Mat::zeros(t, w.rows);
     // Each task fills a [t, chunk] block in row-chunk order, then blocks are scattered.
-    // A panel task reads every token row's inputs once per K block: long prompts take bigger
-    // blocks of weight rows, so the inputs are read fewer times (the panel still fits L2).
-    let per_task = if t >= panel_from { PANEL_ROWS_PER_TASK } else { ROWS_PER_TASK };
     // A prompt's inputs laid on cache lines once, which every panel task reads in place (a
     // `Mat` row is `cols` floats from the next: at K3's widths, a multiple of 4 KB or half of
     // one, which puts the rows a tile streams side by side in one or two L1 sets).
@@ -65,7 +65,7 @@ fn product(isa: Isa, x: &Mat, w: &Bf16Matrix, panel_from: usize) -> Mat {
         l
     });
     // Chunks shrink toward the end and go to whichever thread is free (`chunks`).
-    let chunks = super::row_chunks(w.rows, per_task, ROWS_PER_TASK, rayon::current_num_threads());
+    let chunks = super::row_chunks(w.rows, PANEL_ROWS_PER_TASK, ROWS_PER_TASK, rayon::current_num_threads());
     let blocks: Vec<(usize, Vec<f32>)> = super::first_come(chunks, |rows| {
         let (r0, r1) = (rows.start, rows.end);
         let mut block = vec![0f32; t * (r1 - r0)];
