@@ -145,7 +145,7 @@ fn bench(c: &mut Criterion) {
             let w = Mxfp4Matrix::new(ROWS, COLS, &packed, &scales).unwrap();
             // The engine's split (`expert_forward`): blocks of rows in parallel, each one
             // `matmul_mxfp4` over every input.
-            let chunks = expert_row_chunks(ROWS);
+            let chunks = expert_row_chunks(ROWS, n);
             g.bench_function(BenchmarkId::new(format!("mxfp4 {name}"), n), |b| {
                 b.iter(|| {
                     let mut out = vec![0f32; ROWS * n];
