@@ -6,7 +6,7 @@
 //! run), and from DRAM (working sets past the last-level cache): a 7168 x 7168 BF16 GEMV and the
 //! expert matrix at n = 1. Throughput is in elements =
 //! FLOPs (bytes for the bandwidth case), so criterion's `thrpt` reads as GFLOP/s;
-//! `cargo xtask bench kernels` turns the estimates into fractions of the measured peaks.
+//! docs/bench/kernels.md gives them as fractions of the measured peaks.
 //!
 //! `cargo bench -p deltafin-core --bench kernels`
 
@@ -17,8 +17,8 @@ mod common;
 use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{
-    dot_bf16, dot_f32, expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, permute_for_mxfp4,
-    permute_for_mxfp4_into, Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix,
+    dot_bf16, dot_f32, expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4, permute_for_mxfp4_into,
+    Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix, PromptKernel,
 };
 use rayon::prelude::*;
 
@@ -100,6 +100,14 @@ fn isas() -> Vec<Isa> {
     v
 }
 
+/// The prompt kernel `isa` does not run, and its name in the results.
+fn other_prompt_kernel(isa: Isa) -> (Isa, &'static str) {
+    match isa.prompt_kernel() {
+        PromptKernel::Panels => (isa.with_prompt_kernel(PromptKernel::RegisterTiles), "register tiles"),
+        PromptKernel::RegisterTiles => (isa.with_prompt_kernel(PromptKernel::Panels), "panels"),
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let threads = rayon::current_num_threads();
     let mut g = c.benchmark_group("limits");
@@ -145,32 +153,18 @@ fn bench(c: &mut Criterion) {
             let w = Mxfp4Matrix::new(ROWS, COLS, &packed, &scales).unwrap();
             // The engine's split (`expert_forward`): blocks of rows in parallel, each one
             // `matmul_mxfp4` over every input.
-            let chunks = expert_row_chunks(ROWS, n);
-            g.bench_function(BenchmarkId::new(format!("mxfp4 {name}"), n), |b| {
-                b.iter(|| {
-                    let mut out = vec![0f32; ROWS * n];
-                    for_row_chunks(&mut out, n, &chunks, |rows, o| matmul_mxfp4(isa, &refs, &w, rows, o));
-                    out
-                })
-            });
+            let expert = |isa: Isa| {
+                let chunks = expert_row_chunks(isa, ROWS, n);
+                let mut out = vec![0f32; ROWS * n];
+                for_row_chunks(&mut out, n, &chunks, |rows, o| matmul_mxfp4(isa, &refs, &w, rows, o));
+                out
+            };
+            g.bench_function(BenchmarkId::new(format!("mxfp4 {name}"), n), |b| b.iter(|| expert(isa)));
             if n >= 64 {
-                // The register tiles the panels replace from 32 inputs, in the same run: the
-                // same blocks, inputs 4 at a time (each tile decodes its groups in registers).
-                g.bench_function(BenchmarkId::new(format!("mxfp4 register tiles {name}"), n), |b| {
-                    b.iter(|| {
-                        let mut out = vec![0f32; ROWS * n];
-                        out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| {
-                            let mut part = vec![0f32; 32 * 4];
-                            for (c, x) in refs.chunks(4).enumerate() {
-                                matmul_mxfp4(isa, x, &w, 32 * b..32 * b + 32, &mut part[..32 * x.len()]);
-                                for (i, v) in part.chunks(x.len()).enumerate() {
-                                    o[i * n + 4 * c..][..x.len()].copy_from_slice(v);
-                                }
-                            }
-                        });
-                        out
-                    })
-                });
+                // The prompt kernel this CPU does not pick, in the same run, through the same
+                // split and dispatch.
+                let (other, label) = other_prompt_kernel(isa);
+                g.bench_function(BenchmarkId::new(format!("mxfp4 {label} {name}"), n), |b| b.iter(|| expert(other)));
             }
             if n == 1 || n == 512 {
                 // The baseline, in the same run: the same blocks one weight row at a time
@@ -193,9 +187,8 @@ fn bench(c: &mut Criterion) {
             let x = Mat::from_vec(n, COLS, floats(n * COLS, 13));
             g.bench_function(BenchmarkId::new(format!("bf16 {name}"), n), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
             if n >= 64 {
-                g.bench_function(BenchmarkId::new(format!("bf16 register tiles {name}"), n), |b| {
-                    b.iter(|| matmul_bf16_without_panels(isa, &x, &bf16))
-                });
+                let (other, label) = other_prompt_kernel(isa);
+                g.bench_function(BenchmarkId::new(format!("bf16 {label} {name}"), n), |b| b.iter(|| matmul_bf16_with(other, &x, &bf16)));
             }
             if n == 512 {
                 // The previous kernel, in the same run: the same tiles, each value its own dot

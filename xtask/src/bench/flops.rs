@@ -56,7 +56,7 @@ impl Rates {
             }
             let refs = lined.refs();
             // The engine's split: `expert_forward`'s blocks of rows for this many tokens.
-            let chunks = expert_row_chunks(rows, n);
+            let chunks = expert_row_chunks(isa, rows, n);
             let mxfp4 = || {
                 let mut out = vec![0f32; rows * n];
                 for_row_chunks(&mut out, n, &chunks, |r, o| matmul_mxfp4(isa, &refs, &w, r, o));

@@ -23,11 +23,42 @@ pub enum IsaKind {
 /// let avx512 = deltafin_core::Isa(deltafin_core::IsaKind::Avx512);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Isa(IsaKind);
+pub struct Isa(IsaKind, PromptKernel);
+
+/// How the x86 kernels run the products of a prompt's many token rows (32 or more). Both give
+/// the same bits (every value keeps its lone dot's chain); which is faster depends on the core.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PromptKernel {
+    /// A block's weight rows decoded (MXFP4) or widened (BF16) once per K block into an F32
+    /// panel that plain F32 tiles share, so the decode's shuffles are paid once per weight for
+    /// every token row: the choice where shuffles are scarce (Intel's AVX-512 has one port for
+    /// them; the kernel bench measured panels 1.3x the register tiles on a Xeon).
+    Panels,
+    /// The register tiles of decode-sized products, cut along K: each weight decoded in
+    /// registers for up to 4 token rows. AMD's AVX-512 (Zen 4) runs 512-bit shuffles on two
+    /// pipes and FMAs at half the Xeon's width, so the decode hides under the FMAs and the
+    /// panels' extra pass over each weight costs more than it saves (the kernel bench there:
+    /// register tiles 1.08x / 1.11x the panels for MXFP4 at 64 / 512 token rows, BF16 1.01x /
+    /// 1.27x).
+    RegisterTiles,
+}
+
+/// Whether this is an AMD CPU (CPUID leaf 0's vendor string).
+#[cfg(target_arch = "x86_64")]
+fn amd_cpu() -> bool {
+    // SAFETY: CPUID exists on every x86-64 CPU, and leaf 0 on every CPU that has CPUID.
+    #[allow(unused_unsafe)]
+    let id = unsafe { std::arch::x86_64::__cpuid(0) };
+    let mut vendor = [0u8; 12];
+    for (i, reg) in [id.ebx, id.edx, id.ecx].into_iter().enumerate() {
+        vendor[4 * i..4 * i + 4].copy_from_slice(&reg.to_le_bytes());
+    }
+    &vendor == b"AuthenticAMD"
+}
 
 impl Isa {
     /// The scalar reference, on any CPU.
-    pub const SCALAR: Isa = Isa(IsaKind::Scalar);
+    pub const SCALAR: Isa = Isa(IsaKind::Scalar, PromptKernel::Panels);
 
     /// `kind`, if this CPU supports it.
     pub fn new(kind: IsaKind) -> Option<Isa> {
@@ -42,19 +73,44 @@ impl Isa {
             #[allow(unreachable_patterns)]
             _ => false,
         };
-        ok.then_some(Isa(kind))
+        #[cfg(target_arch = "x86_64")]
+        let prompts = if kind == IsaKind::Avx512 && amd_cpu() { PromptKernel::RegisterTiles } else { PromptKernel::Panels };
+        #[cfg(not(target_arch = "x86_64"))]
+        let prompts = PromptKernel::Panels;
+        ok.then_some(Isa(kind, prompts))
     }
     /// Which instruction set this is.
     pub fn kind(self) -> IsaKind {
         self.0
     }
+    /// How a prompt's products run on this CPU (x86 only; other paths have one kernel).
+    pub fn prompt_kernel(self) -> PromptKernel {
+        self.1
+    }
+    /// The same instruction set with a prompt's products on `kernel` (the kernel bench measures
+    /// both; the bits are the same).
+    pub fn with_prompt_kernel(self, kernel: PromptKernel) -> Isa {
+        Isa(self.0, kernel)
+    }
     /// The fastest kernel this CPU supports.
     pub fn best() -> Isa {
         [IsaKind::Neon, IsaKind::Avx512, IsaKind::Avx2].into_iter().find_map(Isa::new).unwrap_or(Isa::SCALAR)
     }
-    /// Every kernel this CPU can run (for tests), the scalar reference first.
+    /// Every kernel this CPU can run (for tests), the scalar reference first; x86's SIMD paths
+    /// twice, on each [`PromptKernel`] (this CPU's choice first).
     pub fn available() -> Vec<Isa> {
-        [IsaKind::Scalar, IsaKind::Neon, IsaKind::Avx2, IsaKind::Avx512].into_iter().filter_map(Isa::new).collect()
+        let mut all = Vec::new();
+        for isa in [IsaKind::Scalar, IsaKind::Neon, IsaKind::Avx2, IsaKind::Avx512].into_iter().filter_map(Isa::new) {
+            all.push(isa);
+            if matches!(isa.kind(), IsaKind::Avx2 | IsaKind::Avx512) {
+                let other = match isa.prompt_kernel() {
+                    PromptKernel::Panels => PromptKernel::RegisterTiles,
+                    PromptKernel::RegisterTiles => PromptKernel::Panels,
+                };
+                all.push(isa.with_prompt_kernel(other));
+            }
+        }
+        all
     }
 }
 

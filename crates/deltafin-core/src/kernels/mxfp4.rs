@@ -94,7 +94,9 @@ pub fn matmul_mxfp4(isa: Isa, xs: &[&[f32]], w: &Mxfp4Matrix, rows: std::ops::Ra
     let table = scaled_e2m1();
     match isa.kind() {
         #[cfg(target_arch = "x86_64")]
-        IsaKind::Avx512 | IsaKind::Avx2 => tiles::run(isa.kind(), xs, w, rows, out, table),
+        IsaKind::Avx512 | IsaKind::Avx2 => {
+            tiles::run(isa.kind(), isa.prompt_kernel() == super::dot::PromptKernel::Panels, xs, w, rows, out, table)
+        }
         #[cfg(target_arch = "aarch64")]
         IsaKind::Neon => each_value(xs, w, rows, out, |x, p, s| {
             // SAFETY: NEON is only selected after feature detection; lengths checked above.
@@ -191,6 +193,7 @@ mod tiles {
 
     pub(super) fn run(
         kind: IsaKind,
+        panels: bool,
         xs: &[&[f32]],
         w: &Mxfp4Matrix,
         rows: std::ops::Range<usize>,
@@ -198,7 +201,7 @@ mod tiles {
         table: &[[f32; 16]; 256],
     ) {
         let t = xs.len();
-        if t >= PANEL_FROM {
+        if panels && t >= PANEL_FROM {
             let avx512 = kind == IsaKind::Avx512;
             // SAFETY: `kind` comes from an `Isa` (made only after feature detection); every
             // input holds `w.cols` floats and every row `w.cols / 32` groups (checked by

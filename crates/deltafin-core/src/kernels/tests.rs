@@ -191,5 +191,17 @@ fn an_isa_exists_only_where_the_cpu_runs_it() {
         assert_eq!(Isa::new(IsaKind::Avx2).is_some(), std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"));
         assert_eq!(Isa::new(IsaKind::Neon), None);
     }
-    assert!(Isa::available().iter().all(|i| Isa::new(i.kind()) == Some(*i)));
+    assert!(Isa::available().iter().all(|i| Isa::new(i.kind()).map(Isa::kind) == Some(i.kind())));
+}
+
+#[test]
+fn both_prompt_kernels_of_each_x86_path_are_under_test() {
+    for kind in [IsaKind::Avx2, IsaKind::Avx512] {
+        if Isa::new(kind).is_some() {
+            for kernel in [PromptKernel::Panels, PromptKernel::RegisterTiles] {
+                let found = Isa::available().iter().any(|i| i.kind() == kind && i.prompt_kernel() == kernel);
+                assert!(found, "{kind:?} on {kernel:?} is missing from Isa::available()");
+            }
+        }
+    }
 }

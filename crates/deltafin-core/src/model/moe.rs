@@ -11,7 +11,7 @@ use super::loader::Loader;
 use crate::backend::Backend;
 use crate::config::{ExpertShape, K3Config};
 use crate::error::{Error, Result};
-use crate::kernels::{for_row_chunks, matmul_mxfp4, permute_for_mxfp4_into, row_chunks, Isa, LinedRows, Mxfp4Matrix};
+use crate::kernels::{for_row_chunks, matmul_mxfp4, permute_for_mxfp4_into, row_chunks, Isa, LinedRows, Mxfp4Matrix, PromptKernel};
 use crate::math::{sigmoid, situ_in_place};
 use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
@@ -155,21 +155,24 @@ impl ExpertLayout {
 /// and all along for 2 to 31 tokens: the register tiles keep a chunk's lane accumulators (rows x
 /// 4 inputs x 64 bytes, 8 KB at 32 rows) in L1 beside 16 KB of inputs.
 const ROW_BLOCK: usize = 32;
-/// Weight rows per chunk at its start for one token and for a prompt: each prompt chunk reads
-/// every token's inputs once per K block, so a prompt wants big ones (the decoded panel still
-/// fits L2); and handing out a chunk costs atomics whose cache lines move between the cores,
+/// Weight rows per chunk at its start for one token and for a prompt on panels: each panel
+/// chunk reads every token's inputs once per K block, so a prompt wants big ones (the decoded
+/// panel still fits L2); and handing out a chunk costs atomics whose cache lines move between the cores,
 /// which 32-row chunks of one token's products (a few microseconds each) did not amortize
 /// (decode ran ~5% slower on `small`).
 const PROMPT_ROW_BLOCK: usize = 128;
-/// Tokens from which an expert's products run on decoded panels.
+/// Tokens from which an expert's products run as a prompt's (`PromptKernel`: decoded panels, or
+/// register tiles where the CPU runs those faster).
 const PROMPT_ROWS: usize = 32;
 
 /// The chunks of weight rows [`expert_forward`]'s threads take, first come, first served, when
-/// it runs `tokens` token rows over a matrix of `rows` rows: the split a benchmark of the expert
-/// kernels must use to measure what the engine runs. Chunks shrink to [`ROW_BLOCK`] toward the
-/// end, so no core waits long on the other's last chunk.
-pub fn expert_row_chunks(rows: usize, tokens: usize) -> Vec<std::ops::Range<usize>> {
-    let first = if tokens <= 1 || tokens >= PROMPT_ROWS { PROMPT_ROW_BLOCK } else { ROW_BLOCK };
+/// it runs `tokens` token rows over a matrix of `rows` rows on `isa`: the split a benchmark of
+/// the expert kernels must use to measure what the engine runs. Chunks shrink to [`ROW_BLOCK`]
+/// toward the end, so no core waits long on the other's last chunk; a prompt on register tiles
+/// keeps them small all along, as 2 to 31 tokens do.
+pub fn expert_row_chunks(isa: Isa, rows: usize, tokens: usize) -> Vec<std::ops::Range<usize>> {
+    let panels = isa.prompt_kernel() == PromptKernel::Panels;
+    let first = if tokens <= 1 || (tokens >= PROMPT_ROWS && panels) { PROMPT_ROW_BLOCK } else { ROW_BLOCK };
     row_chunks(rows, first, ROW_BLOCK, rayon::current_num_threads())
 }
 
@@ -199,7 +202,7 @@ pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[
     let zr = zp.refs();
     // Row-major `[row][token]` outputs written in place.
     let mut act = vec![0f32; inter * t];
-    for_row_chunks(&mut act, t, &expert_row_chunks(inter, t), |rows, act| {
+    for_row_chunks(&mut act, t, &expert_row_chunks(isa, inter, t), |rows, act| {
         let mut up = vec![0f32; act.len()];
         matmul_mxfp4(isa, &zr, &w3, rows.clone(), act);
         matmul_mxfp4(isa, &zr, &w1, rows, &mut up);
@@ -214,7 +217,7 @@ pub fn expert_forward(cfg: &K3Config, isa: Isa, layout: &ExpertLayout, bytes: &[
     });
     let ar = ap.refs();
     let mut y = vec![0f32; latent * t];
-    for_row_chunks(&mut y, t, &expert_row_chunks(latent, t), |rows, y| matmul_mxfp4(isa, &ar, &w2, rows, y));
+    for_row_chunks(&mut y, t, &expert_row_chunks(isa, latent, t), |rows, y| matmul_mxfp4(isa, &ar, &w2, rows, y));
     let mut out = Mat::zeros(z.rows, latent);
     out.for_each_row(|i, o| {
         for (r, o) in o.iter_mut().enumerate() {
