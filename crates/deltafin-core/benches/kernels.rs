@@ -17,8 +17,8 @@ mod common;
 use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{
-    dot_bf16, dot_f32, expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4, permute_for_mxfp4_into,
-    Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix, PromptKernel,
+    dot_bf16, dot_f32, expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, permute_for_mxfp4,
+    permute_for_mxfp4_into, Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix, PromptKernel,
 };
 use rayon::prelude::*;
 
@@ -187,8 +187,9 @@ fn bench(c: &mut Criterion) {
             let x = Mat::from_vec(n, COLS, floats(n * COLS, 13));
             g.bench_function(BenchmarkId::new(format!("bf16 {name}"), n), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
             if n >= 64 {
-                let (other, label) = other_prompt_kernel(isa);
-                g.bench_function(BenchmarkId::new(format!("bf16 {label} {name}"), n), |b| b.iter(|| matmul_bf16_with(other, &x, &bf16)));
+                g.bench_function(BenchmarkId::new(format!("bf16 register tiles {name}"), n), |b| {
+                    b.iter(|| matmul_bf16_without_panels(isa, &x, &bf16))
+                });
             }
             if n == 512 {
                 // The previous kernel, in the same run: the same tiles, each value its own dot

@@ -25,8 +25,11 @@ pub enum IsaKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Isa(IsaKind, PromptKernel);
 
-/// How the x86 kernels run the products of a prompt's many token rows (32 or more). Both give
-/// the same bits (every value keeps its lone dot's chain); which is faster depends on the core.
+/// How the x86 MXFP4 kernels run an expert's products for a prompt's many token rows (32 or
+/// more). Both give the same bits (every value keeps its lone dot's chain); which is faster
+/// depends on the core. (BF16 prompt products stay on panels: on AMD's AVX-512 their register
+/// tiles won at K3's expert shape in the kernel bench but lost 11% of a 256-token prefill on
+/// `small`, whose spine is narrow.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PromptKernel {
     /// A block's weight rows decoded (MXFP4) or widened (BF16) once per K block into an F32
@@ -38,8 +41,7 @@ pub enum PromptKernel {
     /// registers for up to 4 token rows. AMD's AVX-512 (Zen 4) runs 512-bit shuffles on two
     /// pipes and FMAs at half the Xeon's width, so the decode hides under the FMAs and the
     /// panels' extra pass over each weight costs more than it saves (the kernel bench there:
-    /// register tiles 1.08x / 1.11x the panels for MXFP4 at 64 / 512 token rows, BF16 1.01x /
-    /// 1.27x).
+    /// register tiles 1.08x-1.10x the panels at 64 and 512 token rows).
     RegisterTiles,
 }
 

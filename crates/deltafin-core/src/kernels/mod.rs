@@ -23,7 +23,7 @@ mod panel_x86;
 pub use chunks::{first_come, for_row_chunks, row_chunks};
 pub use dot::{dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_f32, Isa, IsaKind, PromptKernel, LANES};
 pub use lined::LinedRows;
-pub use matmul::{matmul_bf16, matmul_bf16_with};
+pub use matmul::{matmul_bf16, matmul_bf16_with, matmul_bf16_without_panels};
 pub use mxfp4::{
     dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_mxfp4, permute_for_mxfp4, permute_for_mxfp4_into, Mxfp4Matrix,
 };
