@@ -165,7 +165,9 @@ fn matmul_rows_are_batch_and_isa_invariant() {
     // are widened into panels (K blocks of 1024 columns) shared by tiles of 4 rows x 6 token rows
     // (AVX-512) or 2 x 4 (AVX2): 32, 34, 35 and 45 leave every tail of those; 300 columns are
     // one partial K block and a tail, 2100 two whole ones, a partial one and a tail.
-    for (t, rows, cols) in [(13, 70, 56), (45, 37, 1048), (32, 6, 300), (34, 5, 300), (35, 9, 2100)] {
+    // 3 token rows of 4104 columns: decode-sized rows side by side (from 4096 columns), with a
+    // tail; shorter decode-sized rows run one after another.
+    for (t, rows, cols) in [(13, 70, 56), (45, 37, 1048), (32, 6, 300), (34, 5, 300), (35, 9, 2100), (3, 9, 4104), (2, 7, 100)] {
         let x = Mat::from_vec(t, cols, (0..t * cols).map(|_| rng.f32()).collect());
         let w: Vec<f32> = (0..rows * cols).map(|_| rng.f32()).collect();
         let w = Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(&w)), rows, cols);
