@@ -17,8 +17,9 @@ mod common;
 use common::bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{
-    dot_bf16, dot_f32, expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, permute_for_mxfp4,
-    permute_for_mxfp4_into, Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix, PromptKernel,
+    dot_bf16, dot_bf16_rows_side_by_side, dot_f32, expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_bf16_without_panels,
+    matmul_mxfp4, permute_for_mxfp4, permute_for_mxfp4_into, row_chunks, Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix,
+    PromptKernel,
 };
 use rayon::prelude::*;
 
@@ -135,6 +136,8 @@ fn bench(c: &mut Criterion) {
     // L3): 10 GEMV matrices, and 192 copies of the expert matrix (each its own bytes).
     let gemvs: Vec<Bf16Matrix> =
         (0..10).map(|k| Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(7168 * 7168, 17 + k)), 7168, 7168)).collect();
+    let shorts: Vec<Bf16Matrix> =
+        (0..32u64).map(|k| Bf16Matrix::from_bytes(Bytes::from_vec(bf16_bytes(16384 * 1024, 40 + k)), 16384, 1024)).collect();
     let cold: Vec<(Vec<u8>, Vec<u8>)> =
         (0..192u64).map(|k| (bytes(ROWS * COLS / 2, 3 + k, 0, 256), bytes(ROWS * COLS / 32, 5 + k, 110, 30))).collect();
     let mut g = c.benchmark_group("k3 shapes");
@@ -245,6 +248,32 @@ fn bench(c: &mut Criterion) {
                     for (i, o) in o.iter_mut().enumerate() {
                         *o = dot_bf16(isa, x.row(0), gemv.row(32 * blk + i));
                     }
+                });
+                out
+            })
+        });
+        // Short rows from DRAM (K3's kv_b and q_b, `small`'s whole spine: 512 to 2048 columns):
+        // below 4096 columns decode-sized rows run one after another; side by side, in the same
+        // run on the same split.
+        let (rows, cols) = (16384, 1024);
+        let xs = floats(cols, 23);
+        let xm = Mat::from_vec(1, cols, xs.clone());
+        g.throughput(Throughput::Bytes((rows * cols * 2) as u64));
+        g.bench_function(BenchmarkId::new(format!("bf16 gemv 1024 {name}"), 1), |b| {
+            b.iter(|| {
+                next = (next + 1) % shorts.len();
+                matmul_bf16_with(isa, &xm, &shorts[next])
+            })
+        });
+        let split = row_chunks(rows, 128, 32, rayon::current_num_threads());
+        g.bench_function(BenchmarkId::new(format!("bf16 gemv 1024 side by side {name}"), 1), |b| {
+            b.iter(|| {
+                next = (next + 1) % shorts.len();
+                let m = &shorts[next];
+                let mut out = vec![0f32; rows];
+                for_row_chunks(&mut out, 1, &split, |r, o| {
+                    let ws: Vec<&[u8]> = r.map(|i| m.row(i)).collect();
+                    dot_bf16_rows_side_by_side(isa, &xs, &ws, o);
                 });
                 out
             })

@@ -181,10 +181,22 @@ pub fn dot_bf16_rows(isa: Isa, x: &[f32], ws: &[&[u8]], out: &mut [f32]) {
     for w in ws {
         assert_eq!(w.len(), x.len() * 2, "dot_bf16_rows: length mismatch");
     }
-    let lone = |j: usize| dot_bf16(isa, x, ws[j]);
     if x.len() < ROWS_SIDE_BY_SIDE_FROM {
+        let lone = |j: usize| dot_bf16(isa, x, ws[j]);
         return in_groups::<1>(out, |j| [lone(j)], lone);
     }
+    dot_bf16_rows_side_by_side(isa, x, ws, out)
+}
+
+/// [`dot_bf16_rows`] with the rows side by side whatever their length: the baseline the kernel
+/// benchmark measures short rows one after another against, bit-identical to it.
+#[doc(hidden)]
+pub fn dot_bf16_rows_side_by_side(isa: Isa, x: &[f32], ws: &[&[u8]], out: &mut [f32]) {
+    assert_eq!(ws.len(), out.len(), "dot_bf16_rows: one output per row");
+    for w in ws {
+        assert_eq!(w.len(), x.len() * 2, "dot_bf16_rows: length mismatch");
+    }
+    let lone = |j: usize| dot_bf16(isa, x, ws[j]);
     match isa.kind() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: an `Isa` of `Avx512` is only made after feature detection; lengths checked.
