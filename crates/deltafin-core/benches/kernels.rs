@@ -3,8 +3,8 @@
 //! read bandwidth (a 1 GiB sum on every core); then an MXFP4 expert matrix (w1: 3072 x 3584)
 //! and a BF16 matrix of the same shape at n = 1, 8, 64, 512 token rows on the engine's
 //! row-parallel split (at n = 512 also the split before token tiling, as a baseline in the same
-//! run), and from DRAM (working sets past the last-level cache): a 7168 x 7168 BF16 GEMV and the
-//! expert matrix at n = 1. Throughput is in elements =
+//! run), and from DRAM (working sets past the last-level cache): a 7168 x 7168 BF16 GEMV, a
+//! short-row one (16384 x 1024) and the expert matrix at n = 1. Throughput is in elements =
 //! FLOPs (bytes for the bandwidth case), so criterion's `thrpt` reads as GFLOP/s;
 //! docs/bench/kernels.md gives them as fractions of the measured peaks.
 //!
