@@ -103,10 +103,12 @@ fn isas() -> Vec<Isa> {
 
 /// The prompt kernel `isa` does not run, and its name in the results.
 fn other_prompt_kernel(isa: Isa) -> (Isa, &'static str) {
-    match isa.prompt_kernel() {
-        PromptKernel::Panels => (isa.with_prompt_kernel(PromptKernel::RegisterTiles), "register tiles"),
-        PromptKernel::RegisterTiles => (isa.with_prompt_kernel(PromptKernel::Panels), "panels"),
-    }
+    let other = isa.prompt_kernel().other();
+    let label = match other {
+        PromptKernel::Panels => "panels",
+        PromptKernel::RegisterTiles => "register tiles",
+    };
+    (isa.with_prompt_kernel(other), label)
 }
 
 fn bench(c: &mut Criterion) {

@@ -45,17 +45,31 @@ pub enum PromptKernel {
     RegisterTiles,
 }
 
-/// Whether this is an AMD CPU (CPUID leaf 0's vendor string).
+impl PromptKernel {
+    /// The kernel this one is not (tests and the kernel bench run both).
+    pub fn other(self) -> PromptKernel {
+        match self {
+            PromptKernel::Panels => PromptKernel::RegisterTiles,
+            PromptKernel::RegisterTiles => PromptKernel::Panels,
+        }
+    }
+}
+
+/// Whether this is an AMD CPU (CPUID leaf 0's vendor string), asked once: `Isa::best` runs on
+/// hot paths, and under a hypervisor every CPUID traps to it.
 #[cfg(target_arch = "x86_64")]
 fn amd_cpu() -> bool {
-    // SAFETY: CPUID exists on every x86-64 CPU, and leaf 0 on every CPU that has CPUID.
-    #[allow(unused_unsafe)]
-    let id = unsafe { std::arch::x86_64::__cpuid(0) };
-    let mut vendor = [0u8; 12];
-    for (i, reg) in [id.ebx, id.edx, id.ecx].into_iter().enumerate() {
-        vendor[4 * i..4 * i + 4].copy_from_slice(&reg.to_le_bytes());
-    }
-    &vendor == b"AuthenticAMD"
+    static AMD: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+        // SAFETY: CPUID exists on every x86-64 CPU, and leaf 0 on every CPU that has CPUID.
+        #[allow(unused_unsafe)]
+        let id = unsafe { std::arch::x86_64::__cpuid(0) };
+        let mut vendor = [0u8; 12];
+        for (i, reg) in [id.ebx, id.edx, id.ecx].into_iter().enumerate() {
+            vendor[4 * i..4 * i + 4].copy_from_slice(&reg.to_le_bytes());
+        }
+        &vendor == b"AuthenticAMD"
+    });
+    *AMD
 }
 
 impl Isa {
@@ -105,11 +119,7 @@ impl Isa {
         for isa in [IsaKind::Scalar, IsaKind::Neon, IsaKind::Avx2, IsaKind::Avx512].into_iter().filter_map(Isa::new) {
             all.push(isa);
             if matches!(isa.kind(), IsaKind::Avx2 | IsaKind::Avx512) {
-                let other = match isa.prompt_kernel() {
-                    PromptKernel::Panels => PromptKernel::RegisterTiles,
-                    PromptKernel::RegisterTiles => PromptKernel::Panels,
-                };
-                all.push(isa.with_prompt_kernel(other));
+                all.push(isa.with_prompt_kernel(isa.prompt_kernel().other()));
             }
         }
         all
@@ -167,25 +177,23 @@ pub fn dot_bf16_inputs(isa: Isa, xs: &[&[f32]], w: &[u8], out: &mut [f32]) {
 /// Columns from which [`dot_bf16_rows`] runs 4 rows side by side. Shorter rows go one after
 /// another: a matrix's rows are adjacent, so that reads it as one sequential stream the hardware
 /// prefetcher follows, where 4 rows side by side are 4 streams of a few KB each, restarted every
-/// 4 rows, that it never ramps up on. From DRAM on a Zen 4 EPYC (the engine's split, by hand):
-/// rows one after another read 1024-column rows at 28-30 against 19 GiB/s, 2048-column rows at
-/// 30-34 against 24, 3584-column rows at 23-36 against 23-26, and lost at 7168 and 14336 columns
-/// (20-23 against 22-30 GiB/s); `small`'s decode, whose spine is 1024 wide, ran 1.2-1.4x faster.
+/// 4 rows, that it never ramps up on. The kernel bench measures both from DRAM: on a Zen 4 EPYC
+/// one after another read 1024-column rows at 30-37 GiB/s against 19-20 side by side, while at
+/// 7168 columns side by side led (27 against 22 GiB/s for lone dots).
 const ROWS_SIDE_BY_SIDE_FROM: usize = 4096;
 
 /// `out[j] = dot_bf16(isa, x, ws[j])` for every weight row: from [`ROWS_SIDE_BY_SIDE_FROM`]
 /// columns one input against several rows, their accumulations side by side (independent FMA
 /// chains: a lone dot is bound by FMA latency), each in the same lanes and order as alone.
 pub fn dot_bf16_rows(isa: Isa, x: &[f32], ws: &[&[u8]], out: &mut [f32]) {
+    if x.len() >= ROWS_SIDE_BY_SIDE_FROM {
+        return dot_bf16_rows_side_by_side(isa, x, ws, out);
+    }
     assert_eq!(ws.len(), out.len(), "dot_bf16_rows: one output per row");
-    for w in ws {
-        assert_eq!(w.len(), x.len() * 2, "dot_bf16_rows: length mismatch");
+    // `dot_bf16` checks each row's length.
+    for (o, w) in out.iter_mut().zip(ws) {
+        *o = dot_bf16(isa, x, w);
     }
-    if x.len() < ROWS_SIDE_BY_SIDE_FROM {
-        let lone = |j: usize| dot_bf16(isa, x, ws[j]);
-        return in_groups::<1>(out, |j| [lone(j)], lone);
-    }
-    dot_bf16_rows_side_by_side(isa, x, ws, out)
 }
 
 /// [`dot_bf16_rows`] with the rows side by side whatever their length: the baseline the kernel
