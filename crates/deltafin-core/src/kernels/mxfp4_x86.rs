@@ -125,8 +125,8 @@ fn byte_tables() -> &'static [[[u8; 16]; 2]; 256] {
 /// one 8-lane permute per 8 (which Zen 3 and Intel run no faster than a byte shuffle).
 ///
 /// `top` is [`top_halves`]: a mask the compiler cannot see through, since it would otherwise
-/// turn the two ANDs into word blends, which run on the shuffle pipes beside the rest (Zen 3:
-/// 2 of its 4; Intel: 1) instead of on any.
+/// turn the two ANDs into word blends, which Intel runs only on its one shuffle port, beside
+/// every shuffle here (on Zen 3 the kernel bench could not tell the two apart).
 ///
 /// # Safety
 /// AVX2 must be available; `codes` must cover 16 bytes.
