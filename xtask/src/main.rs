@@ -102,6 +102,9 @@ enum Cmd {
         /// `ab` only: the revision to compare this tree against.
         #[arg(long)]
         base: Option<String>,
+        /// `ab` only: the `gen-k3` preset both revisions run (`slice` has K3's own widths).
+        #[arg(long, default_value = "small")]
+        model: String,
     },
     /// Run the kernel and fixture tests for aarch64 under qemu (NEON), needs Debian's
     /// qemu-user, gcc-aarch64-linux-gnu and `rustup target add aarch64-unknown-linux-gnu`.
@@ -145,7 +148,9 @@ fn main() -> Result<()> {
         Cmd::ExportTrained { from, out } => xtask::trained::export(&from, &out),
         Cmd::GenQwen3 { seed, vocab_from, out } => xtask::gen_qwen3::generate(seed, vocab_from.as_deref(), &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
-        Cmd::Bench { which, quick, json, limiter, base } => xtask::bench::run(which, quick, json.as_deref(), limiter, base.as_deref()),
+        Cmd::Bench { which, quick, json, limiter, base, model } => {
+            xtask::bench::run(which, quick, json.as_deref(), limiter, base.as_deref(), &model)
+        }
         Cmd::TestAarch64 => {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             for (pkg, extra) in [("deltafin-core", vec![]), ("deltafin-sched", vec!["--test", "fixture"])] {

@@ -1,7 +1,8 @@
 //! `cargo xtask bench ab --base REV`: this tree against an earlier revision, in one run.
 //!
 //! Both `deltafin` binaries (the base built from `git archive REV` into `target/ab-base`) run the
-//! same `small` model through the CLI, configurations and binaries interleaved round by round
+//! same model (`small` unless `--model` names another `gen-k3` preset, e.g. `slice` for K3's
+//! own expert and spine widths) through the CLI, configurations and binaries interleaved round by round
 //! (the order of the two flips every round), so a change of the engine is judged by ratios
 //! measured minutes apart on the same machine, never against an old table. Each binary gets its
 //! own store (the store format may differ between revisions) made by its own `setup`. Outputs
@@ -76,19 +77,19 @@ fn measure(bin: &Path, model: &Path, c: &Config, vocab: u32, json: &Path) -> Res
 }
 
 /// Measures `rounds` interleaved rounds; returns the markdown section.
-pub fn run(base: &str, quick: bool) -> Result<String> {
+pub fn run(base: &str, quick: bool, preset: &str) -> Result<String> {
     let dir = root().join("target/ab-base");
     let base_bin = build_base(base, &dir)?;
     let head_bin = super::build_cli()?;
-    let ckpt = root().join("models/small");
+    let ckpt = root().join("models").join(preset);
     if !ckpt.join("config.json").exists() {
-        crate::gen_k3::generate("small", 0, &ckpt)?;
+        crate::gen_k3::generate(preset, 0, &ckpt)?;
     }
     let vocab: u32 = {
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json"))?)?;
         v["text_config"]["vocab_size"].as_u64().context("vocab_size")? as u32
     };
-    let stores = [dir.join("store-base"), dir.join("store-head")];
+    let stores = [dir.join(format!("store-base-{preset}")), dir.join(format!("store-head-{preset}"))];
     setup(&base_bin, &ckpt, &stores[0])?;
     setup(&head_bin, &ckpt, &stores[1])?;
     let bins = [&base_bin, &head_bin];
@@ -112,8 +113,10 @@ pub fn run(base: &str, quick: bool) -> Result<String> {
         }
     }
     let mut md = format!(
-        "## This tree against an earlier revision\n\n`cargo xtask bench ab --base {base}{}` — the `small` model through the `deltafin` CLI of both revisions, {rounds} rounds, configurations and binaries interleaved (the order flips every round); each revision streams from a store its own `setup` made. *Speed ratio* = this tree's speed / the base's (tok/s ratio for decode, TTFT base / this tree for prefill), per round, min / median / max; above 1 is faster.\n\n| configuration | base (median) | this tree (median) | speed ratio min / median / max | same ids |\n|---|---|---|---|---|\n",
-        if quick { " --quick" } else { "" }
+        "## This tree against an earlier revision{}\n\n`cargo xtask bench ab --base {base}{}{}` — the `{preset}` model through the `deltafin` CLI of both revisions, {rounds} rounds, configurations and binaries interleaved (the order flips every round); each revision streams from a store its own `setup` made. *Speed ratio* = this tree's speed / the base's (tok/s ratio for decode, TTFT base / this tree for prefill), per round, min / median / max; above 1 is faster.\n\n| configuration | base (median) | this tree (median) | speed ratio min / median / max | same ids |\n|---|---|---|---|---|\n",
+        if preset == "small" { String::new() } else { format!(", on `{preset}`") },
+        if quick { " --quick" } else { "" },
+        if preset == "small" { String::new() } else { format!(" --model {preset}") },
     );
     for (ci, c) in CONFIGS.iter().enumerate() {
         let [b, h] = &results[ci];

@@ -175,7 +175,7 @@ fn decode_json(d: &[engine_runs::DecodeResult], compute_step: f64) -> serde_json
 }
 
 /// Runs `which` and updates the report.
-pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::Limiter, base: Option<&str>) -> Result<()> {
+pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::Limiter, base: Option<&str>, model: &str) -> Result<()> {
     let docs = root().join("docs");
     let bench_dir = docs.join("bench");
     std::fs::create_dir_all(&bench_dir)?;
@@ -183,7 +183,9 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
     let mut json = serde_json::Map::new();
     if which == Which::Ab {
         let base = base.context("`bench ab` needs --base REV (a commit to compare against)")?;
-        std::fs::write(bench_dir.join("ab.md"), ab::run(base, quick)?)?;
+        // One section per model: `ab` for `small`, `ab-slice` for `slice`, ...
+        let file = if model == "small" { "ab.md".to_string() } else { format!("ab-{model}.md") };
+        std::fs::write(bench_dir.join(file), ab::run(base, quick, model)?)?;
     }
     let budget: u64 = 1_500_000_000;
     let need_slice = matches!(which, Which::Device | Which::Decode | Which::Prefill | Which::Spec | Which::Batch | Which::All);
@@ -419,6 +421,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         "ladder",
         "ladder-reader",
         "ab",
+        "ab-slice",
     ] {
         if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
             report += &t;
