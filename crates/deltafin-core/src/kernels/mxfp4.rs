@@ -238,8 +238,8 @@ mod tiles {
             let a = (kind, chunk, w, rows.clone(), &mut *out, t, cols, table);
             // Accumulators fill the register file: AVX-512 has 32 vector registers, AVX2 16,
             // where each value takes two and the inputs are read from L1 by the FMAs. AVX2's
-            // shapes were timed on Zen 3 with the kernel bench: 3 rows x 1 input 1.05x 4 x 1 and
-            // 1.2x 6 x 1; 1 x 4 1.25x 2 x 4 (which spills).
+            // shapes were picked on Zen 3 by timing builds changed by hand (not kept): 3 rows x
+            // 1 input led 2 to 6 rows, and 1 x 4 led 2 x 4, whose 16 accumulators spill.
             match (kind, chunk.len()) {
                 (IsaKind::Avx512, 1) => by_rows::<8, 1>(a),
                 (IsaKind::Avx512, 2) => by_rows::<6, 2>(a),
