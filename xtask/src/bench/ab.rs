@@ -79,12 +79,13 @@ fn measure(bin: &Path, model: &Path, c: &Config, vocab: u32, budget: &str, json:
 /// Measures `rounds` interleaved rounds; returns the markdown section.
 pub fn run(base: &str, quick: bool, preset: &str) -> Result<String> {
     let dir = root().join("target/ab-base");
-    let base_bin = build_base(base, &dir)?;
-    let head_bin = super::build_cli()?;
+    // The model first: a misspelled preset fails here, before minutes of building.
     let ckpt = root().join("models").join(preset);
     if !ckpt.join("config.json").exists() {
         crate::gen_k3::generate(preset, 0, &ckpt)?;
     }
+    let base_bin = build_base(base, &dir)?;
+    let head_bin = super::build_cli()?;
     let vocab: u32 = {
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json"))?)?;
         v["text_config"]["vocab_size"].as_u64().context("vocab_size")? as u32
