@@ -122,7 +122,7 @@ fn byte_tables() -> &'static [[[u8; 16]; 2]; 256] {
 /// and high byte the odd one's; two byte shuffles look up each code's bits 16-23 and 24-31;
 /// interleaving those bytes gives each lane's even and odd value side by side in one 32-bit
 /// word, and a shift and a mask pull them apart. 11 operations per 32 weights, against 16 for
-/// one 8-lane permute per 8 (which Zen 3 and Intel run no faster than a byte shuffle).
+/// one 8-lane permute per 8 (a permute, like a byte shuffle, runs on the shuffle pipes).
 ///
 /// `top` is [`top_halves`]: a mask the compiler cannot see through, since it would otherwise
 /// turn the two ANDs into word blends, which Intel runs only on its one shuffle port, beside

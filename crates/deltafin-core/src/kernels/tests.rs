@@ -92,8 +92,8 @@ fn one_row_against_many_inputs_equals_each_dot_alone_bitwise() {
 #[test]
 fn every_scale_byte_and_code_decodes_as_the_scalar_table() {
     // One row per scale byte, each group one code repeated (all 16 codes), so every decode
-    // table entry is read; the input picks one column of each group, so a value is the sum of
-    // its weights. From scale 253 the largest codes overflow to infinity and zero times
+    // table entry is read; the input is nonzero at one column of each group, so a value sums
+    // one weight per group. From scale 253 the largest codes overflow to infinity and zero times
     // infinity is NaN: there the paths must agree on NaN, not on its payload.
     let cols = 16 * 32;
     let packed: Vec<u8> = (0..256 * cols / 2).map(|i| (i / 16 % 16 * 17) as u8).collect();
