@@ -17,7 +17,6 @@ use super::{engine_runs, root};
 
 /// One measured configuration: what to run and which stat is its speed.
 struct Config {
-    label: &'static str,
     streamed: bool,
     prompt: usize,
     new: usize,
@@ -26,11 +25,22 @@ struct Config {
 }
 
 const CONFIGS: [Config; 4] = [
-    Config { label: "decode, in RAM (16-token prompt, 48 new)", streamed: false, prompt: 16, new: 48, stat: "decode_tok_s" },
-    Config { label: "prefill, in RAM (256 tokens)", streamed: false, prompt: 256, new: 1, stat: "ttft_s" },
-    Config { label: "decode, streamed under 320 MB (16-token prompt, 48 new)", streamed: true, prompt: 16, new: 48, stat: "decode_tok_s" },
-    Config { label: "prefill, streamed under 320 MB (256 tokens)", streamed: true, prompt: 256, new: 1, stat: "ttft_s" },
+    Config { streamed: false, prompt: 16, new: 48, stat: "decode_tok_s" },
+    Config { streamed: false, prompt: 256, new: 1, stat: "ttft_s" },
+    Config { streamed: true, prompt: 16, new: 48, stat: "decode_tok_s" },
+    Config { streamed: true, prompt: 256, new: 1, stat: "ttft_s" },
 ];
+
+impl Config {
+    /// The table's row name, e.g. "decode, streamed under 320 MB (16-token prompt, 48 new)".
+    fn label(&self, budget: &str) -> String {
+        let place = if self.streamed { format!("streamed under {budget}") } else { "in RAM".into() };
+        match self.stat {
+            "ttft_s" => format!("prefill, {place} ({} tokens)", self.prompt),
+            _ => format!("decode, {place} ({}-token prompt, {} new)", self.prompt, self.new),
+        }
+    }
+}
 
 fn build_base(rev: &str, dir: &Path) -> Result<PathBuf> {
     let src = dir.join("src");
@@ -116,11 +126,12 @@ pub fn run(base: &str, quick: bool, preset: &str) -> Result<String> {
             same[ci] &= ids[0] == ids[1];
         }
     }
+    // `small` is the default: its section keeps the plain title and command.
+    let (on, flag) =
+        if preset == "small" { (String::new(), String::new()) } else { (format!(", on `{preset}`"), format!(" --model {preset}")) };
     let mut md = format!(
-        "## This tree against an earlier revision{}\n\n`cargo xtask bench ab --base {base}{}{}` — the `{preset}` model through the `deltafin` CLI of both revisions, {rounds} rounds, configurations and binaries interleaved (the order flips every round); each revision streams from a store its own `setup` made. *Speed ratio* = this tree's speed / the base's (tok/s ratio for decode, TTFT base / this tree for prefill), per round, min / median / max; above 1 is faster.\n\n| configuration | base (median) | this tree (median) | speed ratio min / median / max | same ids |\n|---|---|---|---|---|\n",
-        if preset == "small" { String::new() } else { format!(", on `{preset}`") },
+        "## This tree against an earlier revision{on}\n\n`cargo xtask bench ab --base {base}{}{flag}` — the `{preset}` model through the `deltafin` CLI of both revisions, {rounds} rounds, configurations and binaries interleaved (the order flips every round); each revision streams from a store its own `setup` made. *Speed ratio* = this tree's speed / the base's (tok/s ratio for decode, TTFT base / this tree for prefill), per round, min / median / max; above 1 is faster.\n\n| configuration | base (median) | this tree (median) | speed ratio min / median / max | same ids |\n|---|---|---|---|---|\n",
         if quick { " --quick" } else { "" },
-        if preset == "small" { String::new() } else { format!(" --model {preset}") },
     );
     for (ci, c) in CONFIGS.iter().enumerate() {
         let [b, h] = &results[ci];
@@ -129,11 +140,28 @@ pub fn run(base: &str, quick: bool, preset: &str) -> Result<String> {
         let unit = if c.stat == "ttft_s" { "s TTFT" } else { "tok/s" };
         md += &format!(
             "| {} | {:.3} {unit} | {:.3} {unit} | {ra:.3} / {rb:.3} / {rc:.3} | {} |\n",
-            c.label.replace("320 MB", budget_label),
+            c.label(budget_label),
             engine_runs::spread(b).1,
             engine_runs::spread(h).1,
             same[ci]
         );
     }
     Ok(md)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn row_names_are_the_tables_own() {
+        let names: Vec<String> = super::CONFIGS.iter().map(|c| c.label("320 MB")).collect();
+        assert_eq!(
+            names,
+            [
+                "decode, in RAM (16-token prompt, 48 new)",
+                "prefill, in RAM (256 tokens)",
+                "decode, streamed under 320 MB (16-token prompt, 48 new)",
+                "prefill, streamed under 320 MB (256 tokens)",
+            ]
+        );
+    }
 }
