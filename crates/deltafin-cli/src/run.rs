@@ -161,7 +161,10 @@ fn prompt_ids(model: &LoadedModel, a: &RunArgs) -> Result<Vec<u32>> {
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
+    let opening = std::time::Instant::now();
     let model = a.model.open()?;
+    // Before the first token too: the spine read and checked, the tokenizer, the readers.
+    let open_s = opening.elapsed().as_secs_f64();
     let prompt = prompt_ids(&model, &a)?;
     if prompt.is_empty() {
         bail!("the prompt is empty: give --prompt TEXT, --ids 1,2,3, or text on stdin");
@@ -226,12 +229,14 @@ pub fn run(a: RunArgs) -> Result<()> {
         if let Some(d) = model.drafter_description() {
             eprintln!("drafting with {d}");
         }
+        eprintln!("opened the model in {open_s:.3} s (before the prompt's TTFT)");
         eprintln!("{}", stats.summary());
     }
     if let Some(path) = &a.stats_json {
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&crate::stats_json::with_drafter(crate::stats_json::stats_json(&stats), &model))?)
-            .with_context(|| format!("writing {}", tmp.display()))?;
+        let mut json = crate::stats_json::with_drafter(crate::stats_json::stats_json(&stats), &model);
+        json["open_s"] = serde_json::json!(open_s);
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&json)?).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, path)?;
     }
     Ok(())

@@ -76,6 +76,23 @@ fn damaged_spine_or_pack_fails_loudly_and_the_advice_repairs_it() {
     }
 }
 
+#[test]
+fn a_truncated_spine_fails_naming_it_and_the_advice_repairs_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    ok(&mut setup_cmd(&fixture(), &store, &[]));
+    let m = manifest(&store);
+    // Cut into the last tensor of the file: found when the store opens, before any read.
+    let (name, last) = m.spine.iter().max_by_key(|(_, t)| t.offset).unwrap();
+    let path = store.join("spine.bin");
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(last.offset + last.len / 2).unwrap();
+    let err = fails(&mut run_ids(&store));
+    assert!(err.contains(&path.display().to_string()), "{err}");
+    assert!(err.contains(name.as_str()) && err.contains("truncated"), "{err}");
+    follow_advice(&err);
+    assert_eq!(ok(&mut run_ids(&store)).trim(), REFERENCE_GREEDY);
+}
+
 /// A checkpoint with the fixture's config and other weights: one spine byte and one expert
 /// byte changed.
 fn other_checkpoint(dir: &Path) -> PathBuf {

@@ -29,6 +29,7 @@ mod reader;
 mod safetensors;
 mod setup;
 mod source;
+mod spine_read;
 mod store;
 mod streaming;
 

@@ -188,6 +188,39 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// Page-aligned anonymous memory outside any [`Budget`] (the spine, which the engine counts
+/// itself), on huge pages where the kernel grants them: hundreds of MB faulted in 4 KB pages
+/// cost a fault and a zeroing per page, a large share of opening a store. Zeroed when made.
+pub struct Pages {
+    map: Mapping,
+    len: usize,
+}
+
+impl Pages {
+    /// `len` bytes (at least one page is mapped; `bytes()` has exactly `len`).
+    pub fn new(len: usize) -> Pages {
+        Pages { map: Mapping::new(AlignedBuf::charge(len) as usize), len }
+    }
+    /// Writable view (before it is shared).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is valid for at least len bytes and uniquely owned here.
+        unsafe { std::slice::from_raw_parts_mut(self.map.addr as *mut u8, self.len) }
+    }
+}
+
+impl ByteOwner for Pages {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping is valid for at least len bytes for the value's lifetime.
+        unsafe { std::slice::from_raw_parts(self.map.addr as *const u8, self.len) }
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        Mapping { addr: self.map.addr, len: self.map.len }.unmap();
+    }
+}
+
 /// Peak resident set size of this process: on Linux its own high-water mark (`VmHWM`), not
 /// `ru_maxrss`, which keeps the forking parent's peak across fork and exec (a child of a 100 MB
 /// process would report 100 MB); elsewhere getrusage (macOS reports bytes).

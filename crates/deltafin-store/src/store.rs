@@ -6,14 +6,12 @@
 //! Loading the spine checks every spine tensor. Experts are checked as they are read.
 
 use std::collections::HashMap;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use deltafin_core::{Bytes, DType, K3Config, TensorBytes, TensorSource};
 
 use crate::error::{Error, Result};
 use crate::manifest::{checksum, Manifest};
-use crate::setup::drop_cache;
 use crate::streaming::{ReaderOptions, StreamingExperts};
 
 /// File `deltafin setup` writes first, so an unfinished store is recognized as one.
@@ -193,41 +191,9 @@ impl Store {
     /// Reads the spine tensors `names` into one buffer, checking each; returns the buffer and
     /// each tensor's offset in it.
     fn read_spine_tensors(&self, names: &[&str]) -> Result<(Bytes, std::collections::BTreeMap<String, u64>)> {
-        let m = &self.manifest;
-        let mut placement = std::collections::BTreeMap::new();
-        let mut size = 0u64;
-        for n in names {
-            placement.insert(n.to_string(), size);
-            size = crate::manifest::align_up(size + m.spine[*n].len);
-        }
-        let mut v = vec![0u8; size as usize];
-        let mut files: Vec<Option<std::fs::File>> = (0..m.spine_files.len()).map(|_| None).collect();
-        for name in names {
-            let t = &m.spine[*name];
-            let path = m.spine_path(&self.dir, t.file);
-            let f = match &mut files[t.file] {
-                Some(f) => f,
-                slot => slot.insert(std::fs::File::open(&path).map_err(|e| Error::BadStore {
-                    path: path.clone(),
-                    why: format!("spine file unreadable: {e}"),
-                    advice: m.advice(&self.dir),
-                })?),
-            };
-            let at = placement[*name] as usize;
-            let dst = &mut v[at..at + t.len as usize];
-            f.read_exact_at(dst, t.offset).map_err(|e| Error::BadStore {
-                path: path.clone(),
-                why: format!("spine tensor `{name}` at offset {} ({} bytes) cannot be read: {e} (truncated?)", t.offset, t.len),
-                advice: m.advice(&self.dir),
-            })?;
-            if checksum(dst) != t.xxh3 {
-                return Err(Error::SpineCorrupt { tensor: name.to_string(), path, offset: t.offset, advice: m.advice(&self.dir) });
-            }
-        }
-        for f in files.iter().flatten() {
-            drop_cache(f);
-        }
-        Ok((Bytes::from_vec(v), placement))
+        let (pages, placement) = crate::spine_read::read_spine_tensors(&self.dir, &self.manifest, names)?;
+        let len = deltafin_core::ByteOwner::bytes(&pages).len();
+        Ok((Bytes::new(std::sync::Arc::new(pages), 0, len), placement))
     }
 
     /// The texts of `tiktoken.model` and, if the store has one, `tokenizer_config.json`, both

@@ -69,21 +69,26 @@ fn setup(bin: &Path, ckpt: &Path, store: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Runs one configuration with one binary: (the stat, the ids).
-fn measure(bin: &Path, model: &Path, c: &Config, vocab: u32, budget: &str, json: &Path) -> Result<(f64, String)> {
+/// Runs one configuration with one binary: (the stat, the process's seconds outside the
+/// generation, the ids). The seconds outside are mostly opening the model (reading and checking
+/// the spine, starting the readers), which every revision's stats leave out of TTFT.
+fn measure(bin: &Path, model: &Path, c: &Config, vocab: u32, budget: &str, json: &Path) -> Result<(f64, f64, String)> {
     let ids: Vec<String> = engine_runs::prompt(c.prompt, vocab).iter().map(u32::to_string).collect();
     let mut cmd = Command::new(bin);
     cmd.args(["run", "--model"]).arg(model).args(["--ids", &ids.join(","), "--max-new", &c.new.to_string(), "--print-ids"]);
     if c.streamed {
         cmd.args(["--ram-budget", budget]);
     }
+    let started = std::time::Instant::now();
     let out = cmd.arg("--stats-json").arg(json).output()?;
+    let wall = started.elapsed().as_secs_f64();
     if !out.status.success() {
         bail!("{} run: {}", bin.display(), String::from_utf8_lossy(&out.stderr));
     }
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json)?)?;
     let x = v[c.stat].as_f64().with_context(|| format!("no {} in the stats", c.stat))?;
-    Ok((x, String::from_utf8_lossy(&out.stdout).trim().to_string()))
+    let outside = wall - v["total_s"].as_f64().context("no total_s in the stats")?;
+    Ok((x, outside, String::from_utf8_lossy(&out.stdout).trim().to_string()))
 }
 
 /// Measures `rounds` interleaved rounds; returns the markdown section.
@@ -111,6 +116,8 @@ pub fn run(base: &str, quick: bool, preset: &str) -> Result<String> {
     // results[config][binary] = per-round stats
     let mut results = vec![[Vec::new(), Vec::new()]; CONFIGS.len()];
     let mut same = vec![true; CONFIGS.len()];
+    // Per binary, the seconds outside generation of every streamed run (opening a store).
+    let mut outside = [Vec::new(), Vec::new()];
     let json = dir.join("stats.json");
     for r in 0..rounds {
         eprintln!("ab: round {}/{rounds}", r + 1);
@@ -119,8 +126,11 @@ pub fn run(base: &str, quick: bool, preset: &str) -> Result<String> {
             let mut ids = [String::new(), String::new()];
             for b in order {
                 let model = if c.streamed { stores[b].clone() } else { ckpt.clone() };
-                let (x, out) = measure(bins[b], &model, c, vocab, budget, &json)?;
+                let (x, o, out) = measure(bins[b], &model, c, vocab, budget, &json)?;
                 results[ci][b].push(x);
+                if c.streamed {
+                    outside[b].push(o);
+                }
                 ids[b] = out;
             }
             same[ci] &= ids[0] == ids[1];
@@ -146,6 +156,14 @@ pub fn run(base: &str, quick: bool, preset: &str) -> Result<String> {
             same[ci]
         );
     }
+    let [b, h] = &outside;
+    let ratios: Vec<f64> = b.iter().zip(h).map(|(b, h)| b / h).collect();
+    let (ra, rb, rc) = engine_runs::spread(&ratios);
+    md += &format!(
+        "| opening the store, streamed (process wall time outside the generation, every streamed run) | {:.3} s | {:.3} s | {ra:.3} / {rb:.3} / {rc:.3} | |\n",
+        engine_runs::spread(b).1,
+        engine_runs::spread(h).1,
+    );
     Ok(md)
 }
 

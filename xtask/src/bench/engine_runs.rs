@@ -73,6 +73,9 @@ pub struct ComputeRun {
     pub products_s: [(f64, f64); 2],
     /// The rates it was priced at (mean of before and after; `None` only in a default).
     pub rates: Option<Rates>,
+    /// Its products by kind and row count, to price another run of the same prompt (every run
+    /// of one prompt makes the same products).
+    pub tally: Option<Arc<Tally>>,
 }
 
 /// [`in_ram`] for one new token, its matrix products tallied, each of 3 runs priced at the
@@ -103,6 +106,7 @@ pub fn in_ram_tallied(ckpt: &Path, prompt: &[u32]) -> Result<ComputeRun> {
             bound_best_s: tally.bound_s(&rates, true).iter().sum(),
             products_s: [(m, mi), (b, bi)],
             rates: Some(rates),
+            tally: Some(tally.clone()),
         });
         before = after;
     }
@@ -290,13 +294,17 @@ pub struct PrefillResult {
     pub vs_bound: Vec<f64>,
     /// FLOPs of the prompt's matrix products (compute-only run).
     pub flops: u64,
-    /// Those products' time at this machine's kernel rates (median repeats), measured in the
-    /// same run.
-    pub flop_bound_s: f64,
+    /// Per repeat: those products' time at the kernel rates (median repeats) measured right
+    /// before and after that repeat, as the compute-only runs are priced.
+    pub flop_bound_s: Vec<f64>,
+    /// The same at the best repeats' rates.
+    pub flop_bound_best_s: Vec<f64>,
     /// The compute-only run in detail (the bound at the best repeats' rates, products' time).
     pub compute: ComputeRun,
-    /// Per repeat: TTFT / max(distinct bytes at that repeat's device limit, `flop_bound_s`).
+    /// Per repeat: TTFT / max(distinct bytes at that repeat's device limit, its `flop_bound_s`).
     pub vs_max_bound: Vec<f64>,
+    /// The same against `flop_bound_best_s`.
+    pub vs_max_bound_best: Vec<f64>,
 }
 
 /// Prefill results; like decode, each repeat is judged against its own bracketing device limit.
@@ -318,7 +326,8 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
         let mut distinct: Option<u64> = None;
         let compute = in_ram_tallied(ckpt, &p)?;
         rates = compute.rates.clone();
-        let (compute_s, flops, flop_bound_s) = (compute.ttft_s, compute.flops, compute.bound_s);
+        let (compute_s, flops) = (compute.ttft_s, compute.flops);
+        let tally = compute.tally.clone().context("the compute-only run keeps its tally")?;
         for (name, chunk) in schedules {
             if chunk == Some(64) && n <= 64 {
                 continue;
@@ -330,13 +339,18 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
                 ids_equal: true,
                 compute_s,
                 flops,
-                flop_bound_s,
                 compute: compute.clone(),
                 ..Default::default()
             };
             let reps = if chunk == Some(1) { 1 } else { repeats };
             for _ in 0..reps {
+                // Priced like the compute-only runs: at kernel rates measured right before and
+                // after this repeat, so the bound meets the machine the run met.
+                let before = Rates::measure(Cpu::best());
                 let ((ids, s), limit) = bracketed(store, || generate(store, &c, &p, 1))?;
+                let rates = before.mean(&Rates::measure(Cpu::best()));
+                let flop_bound_s: f64 = tally.bound_s(&rates, false).iter().sum();
+                let flop_bound_best_s: f64 = tally.bound_s(&rates, true).iter().sum();
                 match &want {
                     None => want = Some(ids),
                     Some(w) => r.ids_equal &= *w == ids,
@@ -349,10 +363,13 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
                 r.limit.push(limit);
                 r.vs_bound.push(s.ttft_s / (d as f64 / limit + compute_s));
                 r.vs_max_bound.push(s.ttft_s / (d as f64 / limit).max(flop_bound_s));
+                r.vs_max_bound_best.push(s.ttft_s / (d as f64 / limit).max(flop_bound_best_s));
+                r.flop_bound_s.push(flop_bound_s);
+                r.flop_bound_best_s.push(flop_bound_best_s);
             }
             eprintln!(
-                "prefill {n} tokens, {name}: TTFT {:?} s, amplification {:.2}, {:?}x the bound",
-                r.ttft_s, r.amplification, r.vs_bound
+                "prefill {n} tokens, {name}: TTFT {:.2?} s, amplification {:.2}, {:.2?}x the bound, {:.2?}x the FLOP bound ({:.2?} s)",
+                r.ttft_s, r.amplification, r.vs_bound, r.vs_max_bound, r.flop_bound_s
             );
             out.push(r);
         }
