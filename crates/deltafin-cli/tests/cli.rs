@@ -161,6 +161,7 @@ fn setup_killed_midway_resumes_to_an_identical_store_and_runs_within_budget() {
         "peak_rss_bytes",
         "expert_bytes_read_prefill",
         "expert_bytes_distinct_prefill",
+        "open_s",
     ] {
         assert!(v.get(f).is_some(), "stats JSON lacks {f}");
     }

@@ -33,7 +33,8 @@ struct Mapping {
 }
 
 impl Mapping {
-    fn new(len: usize) -> Mapping {
+    /// `huge`: ask for huge pages (see below).
+    fn new(len: usize, huge: bool) -> Mapping {
         // SAFETY: an anonymous private mapping; failure is checked below.
         let ptr = unsafe {
             libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
@@ -43,8 +44,10 @@ impl Mapping {
         }
         // Huge pages where the kernel offers them on request: 512 times fewer faults. Advice
         // only; refusal changes nothing.
-        // SAFETY: the range was just mapped.
-        unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
+        if huge {
+            // SAFETY: the range was just mapped.
+            unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
+        }
         Mapping { addr: ptr as usize, len }
     }
     fn unmap(self) {
@@ -154,7 +157,7 @@ impl AlignedBuf {
         let len = Self::charge(len) as usize;
         let m = match budget.take_spare(len) {
             Some(m) => m,
-            None if budget.try_reserve(len as u64) => Mapping::new(len),
+            None if budget.try_reserve(len as u64) => Mapping::new(len, true),
             None => return None,
         };
         Some(AlignedBuf { ptr: m.addr as *mut u8, len, budget: budget.clone() })
@@ -189,8 +192,11 @@ impl Drop for AlignedBuf {
 }
 
 /// Page-aligned anonymous memory outside any [`Budget`] (the spine, which the engine counts
-/// itself), on huge pages where the kernel grants them: hundreds of MB faulted in 4 KB pages
-/// cost a fault and a zeroing per page, a large share of opening a store. Zeroed when made.
+/// itself), for direct reads. Zeroed when made.
+///
+/// Not on huge pages: with the spine's hundreds of MB on them, streamed decode on `slice`
+/// waited twice as long for expert reads (the expert buffers, which ask for huge pages, then
+/// met a kernel compacting memory for theirs); `bench ab` measured decode at 0.84x.
 pub struct Pages {
     map: Mapping,
     len: usize,
@@ -199,7 +205,7 @@ pub struct Pages {
 impl Pages {
     /// `len` bytes (at least one page is mapped; `bytes()` has exactly `len`).
     pub fn new(len: usize) -> Pages {
-        Pages { map: Mapping::new(AlignedBuf::charge(len) as usize), len }
+        Pages { map: Mapping::new(AlignedBuf::charge(len) as usize, false), len }
     }
     /// Writable view (before it is shared).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
