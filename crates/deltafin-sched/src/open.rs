@@ -340,7 +340,10 @@ impl EngineBuilder {
         let per = deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
         let pinned: Vec<(usize, u32)> = heat.into_iter().take((pin_cap / per) as usize).map(|(k, _)| k).collect();
         let layer_prefixes: Vec<String> = (0..cfg.num_layers).filter(|&l| streamed[l]).map(Model::layer_prefix).collect();
-        store.load_spine_resident(&|name| !(layer_prefixes.iter().any(|p| name.starts_with(p)) || embed_by_row && name == embed_name))?;
+        store.load_spine_resident(
+            &|name| !(layer_prefixes.iter().any(|p| name.starts_with(p)) || embed_by_row && name == embed_name),
+            self.progress.0.as_ref(),
+        )?;
         let embed_rows: Option<Arc<dyn deltafin_core::EmbedRows>> = match embed_by_row {
             true => Some(Arc::new(store.spine_rows(&embed_name, cfg.vocab_size)?)),
             false => None,

@@ -351,3 +351,27 @@ fn striped_and_weighted_stores_give_identical_ids_and_a_dead_stripe_drive_is_nam
     .to_string();
     assert!(err.contains(&gone.display().to_string()) && err.contains("no other drive has them"), "{err}");
 }
+
+/// Records every progress phase: (name, total, bytes advanced).
+#[derive(Default)]
+struct Phases(std::sync::Mutex<Vec<(String, u64, u64)>>);
+
+impl deltafin_store::Progress for Phases {
+    fn begin(&self, phase: &str, total: u64) {
+        self.0.lock().unwrap().push((phase.to_string(), total, 0));
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.lock().unwrap().last_mut().expect("advance after begin").2 += bytes;
+    }
+}
+
+#[test]
+fn opening_a_store_reports_the_spine_read_in_full() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = make_store(tmp.path(), 1, 1, ExpertLayoutKind::Packs);
+    let phases = std::sync::Arc::new(Phases::default());
+    let model = EngineBuilder::new(&store).progress(phases.clone()).open().unwrap();
+    let spine: u64 = deltafin_store::Manifest::read(&store).unwrap().spine.values().map(|t| t.len).sum();
+    assert_eq!(*phases.0.lock().unwrap(), [("spine".to_string(), spine, spine)]);
+    assert_eq!(generate(&model, &mut |_| {}).unwrap(), reference());
+}

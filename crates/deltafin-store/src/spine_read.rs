@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::manifest::{align_up, checksum, Manifest, SpineTensor, ALIGN};
 use crate::memory::Pages;
 use crate::reader::{open_for_read, CacheMode};
-use crate::setup::drop_cache;
+use crate::setup::{drop_cache, Progress};
 
 /// Tensors read at once: enough to keep a drive's queue busy while other threads checksum.
 const READERS: usize = 4;
@@ -33,7 +33,12 @@ struct Job<'a> {
 
 /// Reads the spine tensors `names` (in that order) into one buffer, each at an [`ALIGN`]ed
 /// offset, checking each; returns the buffer and each tensor's offset in it.
-pub(crate) fn read_spine_tensors(dir: &Path, m: &Manifest, names: &[&str]) -> Result<(Pages, BTreeMap<String, u64>)> {
+pub(crate) fn read_spine_tensors(
+    dir: &Path,
+    m: &Manifest,
+    names: &[&str],
+    progress: &dyn Progress,
+) -> Result<(Pages, BTreeMap<String, u64>)> {
     let mut placement = BTreeMap::new();
     let mut size = 0u64;
     for n in names {
@@ -65,6 +70,7 @@ pub(crate) fn read_spine_tensors(dir: &Path, m: &Manifest, names: &[&str]) -> Re
     // Largest first, so the last tensor to finish is a small one.
     jobs.sort_by_key(|j| std::cmp::Reverse(j.tensor.len));
     let queue = Mutex::new(jobs.into_iter());
+    progress.begin("spine", names.iter().map(|n| m.spine[*n].len).sum());
     let failure: Mutex<Option<Error>> = Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..READERS.min(names.len()) {
@@ -74,14 +80,17 @@ pub(crate) fn read_spine_tensors(dir: &Path, m: &Manifest, names: &[&str]) -> Re
                     break;
                 }
                 let (file, direct) = files[job.tensor.file].as_ref().expect("opened above");
+                let len = job.tensor.len;
                 if let Err(e) = read_one(dir, m, file, *direct, job) {
                     failure.lock().expect("poisoned").get_or_insert(e);
                     break;
                 }
+                progress.advance(len);
             });
         }
     });
     drop(queue);
+    progress.end();
     for (f, _) in files.iter().flatten() {
         drop_cache(f);
     }

@@ -139,14 +139,15 @@ impl Store {
     /// Reads every spine tensor into RAM (then drops the files from the page cache, so the spine
     /// is held once), checking each against its checksum.
     pub fn load_spine(&mut self) -> Result<()> {
-        self.load_spine_resident(&|_| true)
+        self.load_spine_resident(&|_| true, &crate::NoProgress)
     }
 
     /// [`Store::load_spine`] for the tensors `keep` names only (the others are read per pass with
-    /// [`Store::read_layer_spine`]).
-    pub fn load_spine_resident(&mut self, keep: &dyn Fn(&str) -> bool) -> Result<()> {
+    /// [`Store::read_layer_spine`]), reporting the bytes read and checked to `progress` (a full
+    /// K3's spine is over 100 GB).
+    pub fn load_spine_resident(&mut self, keep: &dyn Fn(&str) -> bool, progress: &dyn crate::Progress) -> Result<()> {
         let names: Vec<&str> = self.manifest.spine.keys().map(String::as_str).filter(|n| keep(n)).collect();
-        let (bytes, placement) = self.read_spine_tensors(&names)?;
+        let (bytes, placement) = self.read_spine_tensors(&names, progress)?;
         self.spine = Some(bytes);
         self.placement = placement;
         Ok(())
@@ -178,7 +179,7 @@ impl Store {
         let prefix = deltafin_core::Model::layer_prefix(l);
         let names: Vec<&str> =
             self.manifest.spine.range(prefix.clone()..).map(|(n, _)| n.as_str()).take_while(|n| n.starts_with(&prefix)).collect();
-        let (bytes, placement) = self.read_spine_tensors(&names)?;
+        let (bytes, placement) = self.read_spine_tensors(&names, &crate::NoProgress)?;
         Ok(LayerSpine {
             store: self.dir.clone(),
             manifest_spine: names.iter().map(|n| (n.to_string(), self.manifest.spine[*n].clone())).collect(),
@@ -190,8 +191,12 @@ impl Store {
 
     /// Reads the spine tensors `names` into one buffer, checking each; returns the buffer and
     /// each tensor's offset in it.
-    fn read_spine_tensors(&self, names: &[&str]) -> Result<(Bytes, std::collections::BTreeMap<String, u64>)> {
-        let (pages, placement) = crate::spine_read::read_spine_tensors(&self.dir, &self.manifest, names)?;
+    fn read_spine_tensors(
+        &self,
+        names: &[&str],
+        progress: &dyn crate::Progress,
+    ) -> Result<(Bytes, std::collections::BTreeMap<String, u64>)> {
+        let (pages, placement) = crate::spine_read::read_spine_tensors(&self.dir, &self.manifest, names, progress)?;
         let len = deltafin_core::ByteOwner::bytes(&pages).len();
         Ok((Bytes::new(std::sync::Arc::new(pages), 0, len), placement))
     }
