@@ -60,7 +60,7 @@ pub fn read_aligned(file: &File, offset: u64, len: u64, buf: &mut [u8]) -> std::
         if n == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
-                format!("file ends at {} but the expert ends at {}", start + got as u64, offset + len),
+                format!("file ends at {} but the bytes read end at {}", start + got as u64, offset + len),
             ));
         }
         got += n;

@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use crate::error::{Error, Result};
 use crate::manifest::{align_up, checksum, Manifest, SpineTensor, ALIGN};
 use crate::memory::Pages;
-use crate::reader::{open_for_read, CacheMode};
+use crate::reader::{open_for_read, read_aligned, CacheMode};
 use crate::setup::{drop_cache, Progress};
 
 /// Tensors read at once: enough to keep a drive's queue busy while other threads checksum.
@@ -112,15 +112,7 @@ fn read_one(dir: &Path, m: &Manifest, file: &File, direct: bool, job: Job<'_>) -
     let len = t.len as usize;
     if direct && t.offset.is_multiple_of(ALIGN) {
         // Whole blocks into the aligned window; the file may end inside the last one.
-        let mut got = 0usize;
-        while got < len {
-            match file.read_at(&mut job.window[got..], t.offset + got as u64) {
-                Ok(0) => return Err(unreadable(std::io::ErrorKind::UnexpectedEof.into())),
-                Ok(n) => got += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(unreadable(e)),
-            }
-        }
+        read_aligned(file, t.offset, t.len, job.window).map_err(unreadable)?;
     } else {
         // A tensor at an unaligned offset (a checkpoint read in place) cannot be read directly.
         File::open(&path).and_then(|f| f.read_exact_at(&mut job.window[..len], t.offset)).map_err(unreadable)?;

@@ -325,6 +325,9 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
         // which the expert-major pass (first) measures.
         let mut distinct: Option<u64> = None;
         let compute = in_ram_tallied(ckpt, &p)?;
+        // Kernel rates measured right after this length's last streamed repeat: the next one's
+        // "before" (a new length starts afresh: its compute-only runs took minutes).
+        let mut last_rates: Option<Rates> = None;
         rates = compute.rates.clone();
         let (compute_s, flops) = (compute.ttft_s, compute.flops);
         let tally = compute.tally.clone().context("the compute-only run keeps its tally")?;
@@ -346,9 +349,11 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
             for _ in 0..reps {
                 // Priced like the compute-only runs: at kernel rates measured right before and
                 // after this repeat, so the bound meets the machine the run met.
-                let before = Rates::measure(Cpu::best());
+                let before = last_rates.take().unwrap_or_else(|| Rates::measure(Cpu::best()));
                 let ((ids, s), limit) = bracketed(store, || generate(store, &c, &p, 1))?;
-                let rates = before.mean(&Rates::measure(Cpu::best()));
+                let after = Rates::measure(Cpu::best());
+                let rates = before.mean(&after);
+                last_rates = Some(after);
                 let flop_bound_s: f64 = tally.bound_s(&rates, false).iter().sum();
                 let flop_bound_best_s: f64 = tally.bound_s(&rates, true).iter().sum();
                 match &want {
