@@ -5,8 +5,14 @@
 //! row-parallel split (at n = 512 also the split before token tiling, as a baseline in the same
 //! run), and from DRAM (working sets past the last-level cache): a 7168 x 7168 BF16 GEMV, a
 //! short-row one (16384 x 1024) and the expert matrix at n = 1. Throughput is in elements =
-//! FLOPs (bytes for the bandwidth case), so criterion's `thrpt` reads as GFLOP/s;
-//! docs/bench/kernels.md gives them as fractions of the measured peaks.
+//! FLOPs (bytes for the bandwidth case), so criterion's `thrpt` reads as GFLOP/s.
+//!
+//! Each K3-shape case is also set beside the limit measured right before and right after it
+//! (the FMA peak on the case's instruction set, or the DRAM read for a bandwidth case): the
+//! machines here are shared VMs whose speed moves by up to 1.5x from one minute to the next, so a
+//! fraction of a peak measured minutes earlier says as much about the minute as about the
+//! kernel. The bench prints those fractions and writes them as a table to
+//! `target/criterion/kernels-of-peak.md`, which docs/bench/kernels.md quotes.
 //!
 //! `cargo bench -p deltafin-core --bench kernels`
 
@@ -15,7 +21,8 @@ use std::hint::black_box;
 mod common;
 
 use common::bytes;
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, Bencher, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{
     dot_bf16, dot_bf16_rows_side_by_side, dot_f32, expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_bf16_without_panels,
     matmul_mxfp4, permute_for_mxfp4, permute_for_mxfp4_into, row_chunks, Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix,
@@ -127,9 +134,9 @@ fn bench(c: &mut Criterion) {
     let big: Vec<f32> = floats(1 << 28, 7);
     let isa = Isa::best();
     g.throughput(Throughput::Bytes((big.len() * 4) as u64));
-    g.bench_function("dram read", |b| b.iter(|| big.par_chunks(1 << 16).map(|c| dot_f32(isa, c, c)).sum::<f32>()));
-    drop(big);
+    g.bench_function("dram read", |b| b.iter(|| dram_read(isa, &big)));
     g.finish();
+    let mut around = Around::new(&big);
 
     let packed = bytes(ROWS * COLS / 2, 3, 0, 256);
     let scales = bytes(ROWS * COLS / 32, 5, 110, 30);
@@ -164,17 +171,17 @@ fn bench(c: &mut Criterion) {
                 for_row_chunks(&mut out, n, &chunks, |rows, o| matmul_mxfp4(isa, &refs, &w, rows, o));
                 out
             };
-            g.bench_function(BenchmarkId::new(format!("mxfp4 {name}"), n), |b| b.iter(|| expert(isa)));
+            around.case(&mut g, format!("mxfp4 {name}"), n, Work::Flops(flops, isa), |b| b.iter(|| expert(isa)));
             if n >= 64 {
                 // The prompt kernel this CPU does not pick, in the same run, through the same
                 // split and dispatch.
                 let (other, label) = other_prompt_kernel(isa);
-                g.bench_function(BenchmarkId::new(format!("mxfp4 {label} {name}"), n), |b| b.iter(|| expert(other)));
+                around.case(&mut g, format!("mxfp4 {label} {name}"), n, Work::Flops(flops, isa), |b| b.iter(|| expert(other)));
             }
             if n == 1 || n == 512 {
                 // The baseline, in the same run: the same blocks one weight row at a time
                 // (tiles of one row: no input shared by several rows' FMA chains).
-                g.bench_function(BenchmarkId::new(format!("mxfp4 row by row {name}"), n), |b| {
+                around.case(&mut g, format!("mxfp4 row by row {name}"), n, Work::Flops(flops, isa), |b| {
                     b.iter(|| {
                         let mut out = vec![0f32; ROWS * n];
                         out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| {
@@ -190,16 +197,16 @@ fn bench(c: &mut Criterion) {
                 });
             }
             let x = Mat::from_vec(n, COLS, floats(n * COLS, 13));
-            g.bench_function(BenchmarkId::new(format!("bf16 {name}"), n), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
+            around.case(&mut g, format!("bf16 {name}"), n, Work::Flops(flops, isa), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
             if n >= 64 {
-                g.bench_function(BenchmarkId::new(format!("bf16 register tiles {name}"), n), |b| {
+                around.case(&mut g, format!("bf16 register tiles {name}"), n, Work::Flops(flops, isa), |b| {
                     b.iter(|| matmul_bf16_without_panels(isa, &x, &bf16))
                 });
             }
             if n == 512 {
                 // The previous kernel, in the same run: the same tiles, each value its own dot
                 // (no weight row shared by several token rows' FMA chains).
-                g.bench_function(BenchmarkId::new(format!("bf16 lone dots {name}"), n), |b| {
+                around.case(&mut g, format!("bf16 lone dots {name}"), n, Work::Flops(flops, isa), |b| {
                     b.iter(|| {
                         let mut out = vec![0f32; ROWS * n];
                         out.par_chunks_mut(n * 32).enumerate().for_each(|(blk, o)| {
@@ -215,7 +222,7 @@ fn bench(c: &mut Criterion) {
                         out
                     })
                 });
-                g.bench_function(BenchmarkId::new(format!("bf16 untiled {name}"), n), |b| {
+                around.case(&mut g, format!("bf16 untiled {name}"), n, Work::Flops(flops, isa), |b| {
                     b.iter(|| {
                         let mut out = vec![0f32; ROWS * n];
                         out.par_chunks_mut(n).with_min_len(32).enumerate().for_each(|(r, o)| {
@@ -234,14 +241,14 @@ fn bench(c: &mut Criterion) {
         let x = Mat::from_vec(1, d, floats(d, 19));
         let mut next = 0;
         g.throughput(Throughput::Bytes((d * d * 2) as u64));
-        g.bench_function(BenchmarkId::new(format!("bf16 gemv 7168 {name}"), 1), |b| {
+        around.case(&mut g, format!("bf16 gemv 7168 {name}"), 1, Work::Bytes((d * d * 2) as u64), |b| {
             b.iter(|| {
                 next = (next + 1) % gemvs.len();
                 matmul_bf16_with(isa, &x, &gemvs[next])
             })
         });
         // The previous GEMV, in the same run: one lone dot per weight row.
-        g.bench_function(BenchmarkId::new(format!("bf16 gemv 7168 lone dots {name}"), 1), |b| {
+        around.case(&mut g, format!("bf16 gemv 7168 lone dots {name}"), 1, Work::Bytes((d * d * 2) as u64), |b| {
             b.iter(|| {
                 next = (next + 1) % gemvs.len();
                 let gemv = &gemvs[next];
@@ -261,14 +268,14 @@ fn bench(c: &mut Criterion) {
         let xs = floats(cols, 23);
         let xm = Mat::from_vec(1, cols, xs.clone());
         g.throughput(Throughput::Bytes((rows * cols * 2) as u64));
-        g.bench_function(BenchmarkId::new(format!("bf16 gemv 1024 {name}"), 1), |b| {
+        around.case(&mut g, format!("bf16 gemv 1024 {name}"), 1, Work::Bytes((rows * cols * 2) as u64), |b| {
             b.iter(|| {
                 next = (next + 1) % shorts.len();
                 matmul_bf16_with(isa, &xm, &shorts[next])
             })
         });
         let split = row_chunks(rows, 128, 32, rayon::current_num_threads());
-        g.bench_function(BenchmarkId::new(format!("bf16 gemv 1024 side by side {name}"), 1), |b| {
+        around.case(&mut g, format!("bf16 gemv 1024 side by side {name}"), 1, Work::Bytes((rows * cols * 2) as u64), |b| {
             b.iter(|| {
                 next = (next + 1) % shorts.len();
                 let m = &shorts[next];
@@ -285,7 +292,7 @@ fn bench(c: &mut Criterion) {
         let x1 = [permute_for_mxfp4(&floats(COLS, 11))];
         let x1: Vec<&[f32]> = x1.iter().map(|x| &x[..]).collect();
         g.throughput(Throughput::Elements((2 * ROWS * COLS) as u64));
-        g.bench_function(BenchmarkId::new(format!("mxfp4 from dram {name}"), 1), |b| {
+        around.case(&mut g, format!("mxfp4 from dram {name}"), 1, Work::Flops((2 * ROWS * COLS) as u64, isa), |b| {
             b.iter(|| {
                 next = (next + 1) % cold.len();
                 let (p, s) = &cold[next];
@@ -297,6 +304,120 @@ fn bench(c: &mut Criterion) {
         });
     }
     g.finish();
+    around.finish();
+}
+
+/// A dot of `big` with itself on every core: bound by DRAM reads.
+fn dram_read(isa: Isa, big: &[f32]) -> f32 {
+    big.par_chunks(1 << 16).map(|c| dot_f32(isa, c, c)).sum::<f32>()
+}
+
+/// The median of `f()`'s `reps` rates, `work / seconds`, in units of 1e9 a second.
+fn median_rate(reps: usize, work: f64, mut f: impl FnMut()) -> f64 {
+    let mut rates: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            f();
+            work / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates[reps / 2]
+}
+
+/// The K3-shape cases, each beside its limit measured right before and after it.
+struct Around<'a> {
+    big: &'a [f32],
+    /// Criterion's folder of results (its estimates give each case's median).
+    dir: std::path::PathBuf,
+    /// The table's rows, in the order the cases ran.
+    rows: Vec<String>,
+}
+
+impl<'a> Around<'a> {
+    fn new(big: &'a [f32]) -> Around<'a> {
+        let dir = std::env::var_os("CRITERION_HOME").map(std::path::PathBuf::from).unwrap_or_else(|| {
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
+            target.join("criterion")
+        });
+        Around { big, dir, rows: Vec::new() }
+    }
+
+    /// The limit for `work` now: the FMA peak in GFLOP/s, or the DRAM read in GiB/s.
+    fn limit(&self, work: Work) -> f64 {
+        match work {
+            Work::Flops(_, isa) => {
+                let threads = rayon::current_num_threads();
+                let flops = fma_loop(isa) * threads as f64;
+                median_rate(41, flops, || {
+                    black_box((0..threads).into_par_iter().map(|_| fma_loop(isa)).sum::<f64>());
+                })
+            }
+            Work::Bytes(_) => {
+                let isa = Isa::best();
+                median_rate(5, (self.big.len() * 4) as f64 / 1.073_741_824, || {
+                    black_box(dram_read(isa, self.big));
+                })
+            }
+        }
+    }
+
+    /// Runs case `function`/`n` through criterion between two measurements of its limit; if
+    /// the filter ran it, records its median against their mean.
+    fn case(
+        &mut self,
+        g: &mut BenchmarkGroup<'_, WallTime>,
+        function: String,
+        n: usize,
+        work: Work,
+        f: impl FnMut(&mut Bencher<'_, WallTime>),
+    ) {
+        let estimates = self.dir.join("k3 shapes").join(&function).join(n.to_string()).join("new/estimates.json");
+        let modified = || std::fs::metadata(&estimates).and_then(|m| m.modified()).ok();
+        let (was, before) = (modified(), self.limit(work));
+        g.bench_function(BenchmarkId::new(function.clone(), n), f);
+        if modified() == was {
+            return; // filtered out
+        }
+        let after = self.limit(work);
+        let median_ns = std::fs::read_to_string(&estimates)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["median"]["point_estimate"].as_f64())
+            .expect("criterion's estimates of the case just run");
+        let (rate, unit, limit) = match work {
+            Work::Flops(flops, _) => (flops as f64 / median_ns, "GFLOP/s", "FMA peak"),
+            Work::Bytes(bytes) => (bytes as f64 / median_ns / 1.073_741_824, "GiB/s", "DRAM read"),
+        };
+        let of = 2.0 * rate / (before + after);
+        println!("{function}/{n}: {rate:.1} {unit} = {:.0}% of the {limit} around it ({before:.1} before, {after:.1} after)", 100.0 * of);
+        self.rows.push(format!("| {function} | {n} | {rate:.1} {unit} | {limit} {before:.1} / {after:.1} | {:.0}% |", 100.0 * of));
+    }
+
+    /// Writes the table (the cases that ran) beside criterion's results.
+    fn finish(self) {
+        if self.rows.is_empty() {
+            return;
+        }
+        let table =
+            format!("| case | n | median | limit before / after | of their mean |\n|---|---|---|---|---|\n{}\n", self.rows.join("\n"));
+        println!("\n{table}");
+        let path = self.dir.join("kernels-of-peak.md");
+        if let Err(e) = std::fs::create_dir_all(&self.dir).and_then(|()| std::fs::write(&path, &table)) {
+            eprintln!("could not write {}: {e}", path.display());
+        }
+    }
+}
+
+/// What a case does per iteration, and so which limit it meets.
+#[derive(Clone, Copy)]
+enum Work {
+    /// FLOPs on an instruction set: against its FMA peak.
+    Flops(u64, Isa),
+    /// Bytes read from DRAM: against the DRAM read.
+    Bytes(u64),
 }
 
 /// BF16 bytes of small finite values.
