@@ -207,7 +207,14 @@ impl Qwen3 {
     }
 
     /// Runs `ids` after what `cache` holds; returns logits for the last row.
+    ///
+    /// On a compute thread, as the target's steps run (`deltafin_core::on_compute_threads`: one
+    /// sleep of the caller per pass, not one per product).
     pub fn forward(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<f32>> {
+        deltafin_core::on_compute_threads(|| self.forward_here(cache, ids))
+    }
+
+    fn forward_here(&self, cache: &mut KvCache, ids: &[u32]) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let (hd, nh, nkv) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads);
         let mut x = Mat::zeros(ids.len(), c.hidden_size);

@@ -33,6 +33,18 @@ pub fn row_chunks(rows: usize, max: usize, min: usize, threads: usize) -> Vec<Ra
     chunks
 }
 
+/// `f()` on a thread of the compute pool (the pool every parallel kernel here runs on), the
+/// calling thread waiting; in place when called from a pool thread already.
+///
+/// A caller outside the pool that runs many short parallel products one after another (a
+/// decode step runs hundreds) hands each one to the pool and sleeps until it is done: a sleep
+/// and a wake-up per product. From a pool thread, each product starts on the caller, which
+/// takes its share of the work, and the caller sleeps once for all of them.
+pub fn on_compute_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    // `rayon::scope` runs its closure on a pool thread (`in_place_scope` would not).
+    rayon::scope(|_| f())
+}
+
 /// `f(item)` for every item on every thread of the pool, items taken in order by whichever thread
 /// is free; the results in the items' order.
 pub fn first_come<T: Send, R: Send>(items: Vec<T>, f: impl Fn(T) -> R + Sync) -> Vec<R> {
@@ -86,6 +98,20 @@ mod tests {
         }
         let c = row_chunks(3072, 128, 32, 2);
         assert_eq!((c[0].len(), c.last().unwrap().len()), (128, 32));
+    }
+
+    #[test]
+    fn compute_runs_on_a_pool_thread_and_nested_calls_stay_on_it() {
+        // Tests run on threads of their own, outside the pool.
+        assert_eq!(rayon::current_thread_index(), None);
+        let (outer, inner, sum) = on_compute_threads(|| {
+            let outer = rayon::current_thread_index();
+            let inner = on_compute_threads(rayon::current_thread_index);
+            (outer, inner, (0..1000u64).into_par_iter().sum::<u64>())
+        });
+        assert!(outer.is_some(), "the closure ran off the pool");
+        assert_eq!(inner, outer, "a nested call moved to another thread");
+        assert_eq!(sum, 499_500);
     }
 
     #[test]

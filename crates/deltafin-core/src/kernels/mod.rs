@@ -20,7 +20,7 @@ mod neon;
 #[cfg(target_arch = "x86_64")]
 mod panel_x86;
 
-pub use chunks::{first_come, for_row_chunks, row_chunks};
+pub use chunks::{first_come, for_row_chunks, on_compute_threads, row_chunks};
 pub use dot::{dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_bf16_rows_side_by_side, dot_f32, Isa, IsaKind, PromptKernel, LANES};
 pub use lined::LinedRows;
 pub use matmul::{matmul_bf16, matmul_bf16_with, matmul_bf16_without_panels};
