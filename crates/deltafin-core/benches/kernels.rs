@@ -119,15 +119,12 @@ fn other_prompt_kernel(isa: Isa) -> (Isa, &'static str) {
 }
 
 fn bench(c: &mut Criterion) {
-    let threads = rayon::current_num_threads();
     let mut g = c.benchmark_group("limits");
     g.sample_size(10);
     for isa in isas() {
-        let flops = fma_loop(isa) * threads as f64;
+        let flops = fma_on_every_core(isa);
         g.throughput(Throughput::Elements(flops as u64));
-        g.bench_function(BenchmarkId::new("fma peak", format!("{:?}", isa.kind())), |b| {
-            b.iter(|| (0..threads).into_par_iter().map(|_| fma_loop(isa)).sum::<f64>())
-        });
+        g.bench_function(BenchmarkId::new("fma peak", format!("{:?}", isa.kind())), |b| b.iter(|| fma_on_every_core(isa)));
     }
     // A dot of a 1 GiB array with itself on the widest vectors: each byte is read once, and
     // the FMAs are far from the compute limit, so the loop is bound by the reads.
@@ -307,6 +304,11 @@ fn bench(c: &mut Criterion) {
     around.finish();
 }
 
+/// [`fma_loop`] on every thread of the pool at once; returns FLOPs done.
+fn fma_on_every_core(isa: Isa) -> f64 {
+    (0..rayon::current_num_threads()).into_par_iter().map(|_| fma_loop(isa)).sum::<f64>()
+}
+
 /// A dot of `big` with itself on every core: bound by DRAM reads.
 fn dram_read(isa: Isa, big: &[f32]) -> f32 {
     big.par_chunks(1 << 16).map(|c| dot_f32(isa, c, c)).sum::<f32>()
@@ -349,10 +351,9 @@ impl<'a> Around<'a> {
     fn limit(&self, work: Work) -> f64 {
         match work {
             Work::Flops(_, isa) => {
-                let threads = rayon::current_num_threads();
-                let flops = fma_loop(isa) * threads as f64;
+                let flops = fma_on_every_core(isa);
                 median_rate(41, flops, || {
-                    black_box((0..threads).into_par_iter().map(|_| fma_loop(isa)).sum::<f64>());
+                    black_box(fma_on_every_core(isa));
                 })
             }
             Work::Bytes(_) => {

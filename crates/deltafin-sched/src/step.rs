@@ -113,8 +113,9 @@ impl Engine {
     /// The pass runs on a thread of the compute pool ([`deltafin_core::on_compute_threads`]), so
     /// every parallel product inside it starts from a thread that takes its share of the work.
     /// Run from any other thread, each of a decode step's hundreds of products put the caller to
-    /// sleep until done: on `slice`, about 200 voluntary context switches per token and a few
-    /// percent of decode on two cores. Now the caller sleeps once per step.
+    /// sleep until done: on `slice`, about 200 voluntary context switches per token (now about
+    /// 20) and a quarter of the process's kernel time; wall time measured level either way
+    /// (docs/bench/kernels.md).
     pub(crate) fn step_inner(&self, slots: &mut [Slot<'_>], cancel: Option<&Cancel>, guess_next: bool) -> Result<StepOutput> {
         deltafin_core::on_compute_threads(|| self.step_here(slots, cancel, guess_next))
     }
