@@ -151,6 +151,14 @@ impl Tally {
     pub fn spent_s(&self) -> [f64; 2] {
         std::array::from_fn(|k| self.spent_ps[k].load(Ordering::Relaxed) as f64 * 1e-12)
     }
+    /// A copy of the count so far, which later runs through `self` leave as it is.
+    pub fn snapshot(&self) -> Tally {
+        Tally {
+            cpu: self.cpu,
+            flops: Mutex::new(self.flops.lock().expect("tally").clone()),
+            spent_ps: std::array::from_fn(|k| AtomicU64::new(self.spent_ps[k].load(Ordering::Relaxed))),
+        }
+    }
     /// Starts a new count.
     pub fn reset(&self) {
         self.flops.lock().expect("tally").clear();

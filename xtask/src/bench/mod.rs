@@ -258,12 +258,13 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         let (p, rates) = engine_runs::prefill(&store, &ckpt, vocab, budget, quick)?;
         let gf = |t: [f64; 4]| t.map(|r| format!("{:.0}", r / 1e9)).join(" / ");
         let mut md = format!(
-            "## Prefill\n\n`cargo xtask bench prefill{q}` — `slice` store, RAM budget {:.1} GB (far below the 4.2 GB of experts). Each repeat is bracketed by its own device-limit measurement (QD 4, right before and after). Amplification = expert bytes read during prefill / bytes of the distinct experts the whole prompt routes per layer. *vs bound* = TTFT / (distinct bytes at that repeat's device limit + compute-only TTFT, everything in RAM). *FLOP bound* = the prompt's matrix products (experts and BF16 spine; attention scores and KDA steps not counted, so the bound is strict) each timed at the rate the kernels reach for that many rows on K3's expert shape, with the engine's split and input layout, measured right before and after each compute-only run (the mean of the two prices that run: this VM's speed moves by up to 1.4x from minute to minute): the median of repeats lasting half a second (the typical time, as criterion reports it); for the longest prompt's compute-only run MXFP4 {} GFLOP/s and BF16 {} GFLOP/s at 1 / 8 / 64 / 512 rows. Each repeat from the store is priced the same way, at rates measured right before and after it (so a repeat that met a slow minute is judged by that minute's kernels), its bound and ratio listed min / median / max over the repeats. *At best rates* = the same products at the fastest repeat's rates (for the compute-only run above MXFP4 {}, BF16 {} GFLOP/s), stricter still: one repeat can run well above the typical one, which a run of seconds never sustains. *vs max bound* = TTFT / max(distinct bytes at the device limit, FLOP bound), repeat by repeat. Compute-only = of 3 runs in RAM, the one with the median ratio to its bound.\n\n| prompt tokens | schedule | TTFT s (min / median / max) | device limit MB/s (median) | read GB | amplification | compute-only s | vs bound min / median / max | product GFLOP | FLOP bound s (min / median / max) | vs max bound (min / median / max) | vs max bound at best rates (median) | same first token |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "## Prefill\n\n`cargo xtask bench prefill{q}` — `slice` store, RAM budget {:.1} GB (far below the 4.2 GB of experts). Each repeat is bracketed by its own device-limit measurement (QD 4, right before and after). Amplification = expert bytes read during prefill / bytes of the distinct experts the whole prompt routes per layer. *vs bound* = TTFT / (distinct bytes at that repeat's device limit + compute-only TTFT, everything in RAM). *FLOP bound* = the prompt's matrix products (experts and BF16 spine; attention scores and KDA steps not counted, so the bound is strict) each timed at the rate the kernels reach for that many rows on K3's expert shape, with the engine's split and input layout, measured right before and after each compute-only run (the mean of the two prices that run: this VM's speed moves by up to 1.4x from minute to minute): the median of repeats lasting half a second (the typical time, as criterion reports it); for the longest prompt's compute-only run MXFP4 {} GFLOP/s and BF16 {} GFLOP/s at 1 / 8 / 64 / 512 rows. Each repeat from the store is priced the same way, at rates measured right before and after it (so a repeat that met a slow minute is judged by that minute's kernels), its bound and ratio listed min / median / max over the repeats. *At best rates* = the same products at the fastest repeat's rates (for the compute-only run above MXFP4 {}, BF16 {} GFLOP/s), stricter still: one repeat can run well above the typical one, which a run of seconds never sustains. *vs max bound* = TTFT / max(distinct bytes at the device limit, FLOP bound), repeat by repeat. Compute-only = of 3 runs in RAM, the one with the median ratio to its bound. *vs in RAM beside it* (expert-major, {} repeats) = each repeat's TTFT / that of the same prompt run in RAM right after it by the compute-only model (kept open, so warm): what streaming costs, measured within one minute of this VM instead of against runs minutes apart.\n\n| prompt tokens | schedule | TTFT s (min / median / max) | device limit MB/s (median) | read GB | amplification | compute-only s | vs bound min / median / max | product GFLOP | FLOP bound s (min / median / max) | vs max bound (min / median / max) | vs max bound at best rates (median) | vs in RAM beside it (min / median / max) | same first token |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             budget as f64 / 1e9,
             gf(rates.mxfp4),
             gf(rates.bf16),
             gf(rates.mxfp4_best),
             gf(rates.bf16_best),
+            engine_runs::major_repeats(quick),
         );
         for r in &p {
             let (a, b, c) = engine_runs::spread(&r.ttft_s);
@@ -272,7 +273,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
             let (ma, mb_, mc) = engine_runs::spread(&r.vs_max_bound);
             writeln!(
                 md,
-                "| {} | {} | {a:.1} / {b:.1} / {c:.1} | {:.0} | {:.2} | {:.2} | {:.1} | {va:.2}x / {vb:.2}x / {vc:.2}x | {:.0} | {fa:.1} / {fb:.1} / {fc:.1} | {ma:.2}x / {mb_:.2}x / {mc:.2}x | {:.2}x | {} |",
+                "| {} | {} | {a:.1} / {b:.1} / {c:.1} | {:.0} | {:.2} | {:.2} | {:.1} | {va:.2}x / {vb:.2}x / {vc:.2}x | {:.0} | {fa:.1} / {fb:.1} / {fc:.1} | {ma:.2}x / {mb_:.2}x / {mc:.2}x | {:.2}x | {} | {} |",
                 r.tokens,
                 r.schedule,
                 mb(engine_runs::spread(&r.limit).1),
@@ -281,6 +282,12 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
                 r.compute_s,
                 r.flops as f64 / 1e9,
                 engine_runs::spread(&r.vs_max_bound_best).1,
+                if r.vs_beside.is_empty() {
+                    "-".to_string()
+                } else {
+                    let (a, b, c) = engine_runs::spread(&r.vs_beside);
+                    format!("{a:.2}x / {b:.2}x / {c:.2}x")
+                },
                 r.ids_equal
             )?;
         }
@@ -310,7 +317,7 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         )?;
         md += "\n![prefill](bench/prefill.svg)\n";
         std::fs::write(bench_dir.join("prefill.md"), md)?;
-        json.insert("prefill".into(), json!(p.iter().map(|r| json!({"tokens": r.tokens, "schedule": r.schedule, "ttft_s": r.ttft_s, "bytes_read": r.bytes_read, "distinct_bytes": r.distinct_bytes, "amplification": r.amplification, "compute_only_s": r.compute_s, "device_limit": r.limit, "vs_bound": r.vs_bound, "flops": r.flops, "flop_bound_s": r.flop_bound_s, "flop_bound_best_s": r.flop_bound_best_s, "compute_only_flop_bound_s": r.compute.bound_s, "compute_only_flop_bound_best_s": r.compute.bound_best_s, "products_s": r.compute.products_s, "vs_max_bound": r.vs_max_bound, "vs_max_bound_best": r.vs_max_bound_best, "ids_equal": r.ids_equal})).collect::<Vec<_>>()));
+        json.insert("prefill".into(), json!(p.iter().map(|r| json!({"tokens": r.tokens, "schedule": r.schedule, "ttft_s": r.ttft_s, "bytes_read": r.bytes_read, "distinct_bytes": r.distinct_bytes, "amplification": r.amplification, "compute_only_s": r.compute_s, "device_limit": r.limit, "vs_bound": r.vs_bound, "flops": r.flops, "flop_bound_s": r.flop_bound_s, "flop_bound_best_s": r.flop_bound_best_s, "compute_only_flop_bound_s": r.compute.bound_s, "compute_only_flop_bound_best_s": r.compute.bound_best_s, "products_s": r.compute.products_s, "vs_max_bound": r.vs_max_bound, "vs_max_bound_best": r.vs_max_bound_best, "vs_in_ram_beside": r.vs_beside, "ids_equal": r.ids_equal})).collect::<Vec<_>>()));
     }
     if matches!(which, Which::Batch | Which::All) {
         std::fs::write(bench_dir.join("batch.md"), batch::run(&store, budget, vocab, quick)?)?;
