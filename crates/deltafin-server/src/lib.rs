@@ -101,7 +101,7 @@ impl AppState {
     /// A server's state before its model is ready.
     fn new(cfg: ServerConfig) -> Shared {
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-        let nonce = xxhash_rust::xxh3::xxh3_64(&[now.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat());
+        let nonce = twox_hash::XxHash3_64::oneshot(&[now.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat());
         Arc::new(AppState {
             cfg,
             ready: OnceLock::new(),

@@ -7,7 +7,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use crate::checksum::{xxh3_64, Xxh3};
 
 use crate::error::{Error, Result};
 

@@ -394,7 +394,7 @@ impl HubCache {
         if self.dirs.len() == 1 {
             return &self.dirs[0];
         }
-        let h = xxhash_rust::xxh3::xxh3_64_with_seed(shard.as_bytes(), offset);
+        let h = crate::checksum::xxh3_64_with_seed(shard.as_bytes(), offset);
         &self.dirs[(h % self.dirs.len() as u64) as usize]
     }
 

@@ -13,7 +13,7 @@ use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 
-use xxhash_rust::xxh3::Xxh3;
+use crate::checksum::Xxh3Wide;
 
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
@@ -29,7 +29,7 @@ pub const SAMPLE_BYTES: u64 = 64 << 10;
 
 /// The fingerprint of `ckpt`'s folder: 32 hex digits.
 pub fn source_id(ckpt: &Checkpoint, progress: &dyn Progress) -> Result<String> {
-    let mut h = Xxh3::new();
+    let mut h = Xxh3Wide::new();
     for f in STORE_FILES {
         let p = ckpt.dir().join(f);
         match std::fs::read(&p) {

@@ -15,6 +15,7 @@
 //! - [`doctor()`] checks a store against its manifest.
 
 mod checkpoint;
+mod checksum;
 mod doctor;
 mod draft;
 mod embed_rows;

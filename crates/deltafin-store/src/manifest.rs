@@ -420,7 +420,7 @@ impl Manifest {
     /// xxh3-128 over every checksum the manifest records (files, spine, experts): the identity
     /// of the weights a store holds.
     pub fn compute_content_id(&self) -> String {
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut h = crate::checksum::Xxh3Wide::new();
         for (n, f) in &self.files {
             h.update(format!("file {n} {} {}\n", f.bytes, f.xxh3).as_bytes());
         }
@@ -473,7 +473,7 @@ fn is_relative_plain(file: &str) -> bool {
 
 /// xxh3-64 of bytes as 16 hex digits.
 pub fn checksum(bytes: &[u8]) -> String {
-    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+    format!("{:016x}", crate::checksum::xxh3_64(bytes))
 }
 
 /// Rounds up to [`ALIGN`].

@@ -30,6 +30,12 @@ pub struct RunConfig {
 
 /// One measured generation.
 pub fn generate(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize) -> Result<(Vec<u32>, Stats)> {
+    generate_stolen(store, cfg, prompt, new).map(|(ids, stats, _)| (ids, stats))
+}
+
+/// [`generate`], with the CPU time the VM's host took from this VM while it generated (opening
+/// excluded), where the host reports it.
+pub fn generate_stolen(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize) -> Result<(Vec<u32>, Stats, Option<f64>)> {
     let model = EngineBuilder::new(store)
         .ram_budget(Some(cfg.budget))
         .prefetch(cfg.prefetch)
@@ -40,11 +46,24 @@ pub fn generate(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize) -> Re
         .open()?;
     let mut ids = Vec::new();
     let mut seq = model.new_sequence();
+    let stolen = stolen_cpu_s();
     let stats = model.engine().generate(&mut seq, prompt, &GenerateOptions::new(new), |id| {
         ids.push(id);
         true
     })?;
-    Ok((ids, stats))
+    Ok((ids, stats, stolen.zip(stolen_cpu_s()).map(|(a, b)| b - a)))
+}
+
+/// CPU seconds the hypervisor has taken from this VM's cores since boot ("steal" in Linux's
+/// `/proc/stat`, summed over cores): on this VM the host's emulation of the disk runs partly on
+/// time taken from our cores, so a run that reads loses compute a run in RAM keeps. `None` where
+/// there is no such file.
+pub fn stolen_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    // "cpu  user nice system idle iowait irq softirq steal ...", in USER_HZ (100 per second on
+    // every Linux this runs on).
+    let steal: u64 = stat.lines().next()?.split_whitespace().nth(8)?.parse().ok()?;
+    Some(steal as f64 / 100.0)
 }
 
 /// The same generation with every weight in RAM (the checkpoint's memory maps, page cache warmed
@@ -136,11 +155,13 @@ pub struct InRam {
 }
 
 impl InRam {
-    /// One more run of the prompt: its time to first token.
-    pub fn ttft_s(&self) -> Result<f64> {
+    /// One more run of the prompt: its time to first token, and the CPU time stolen meanwhile.
+    pub fn ttft_s(&self) -> Result<(f64, Option<f64>)> {
         self.tally.reset();
         let mut seq = self.model.new_sequence();
-        Ok(self.model.engine().generate(&mut seq, &self.prompt, &GenerateOptions::new(1), |_| true)?.ttft_s)
+        let stolen = stolen_cpu_s();
+        let ttft = self.model.engine().generate(&mut seq, &self.prompt, &GenerateOptions::new(1), |_| true)?.ttft_s;
+        Ok((ttft, stolen.zip(stolen_cpu_s()).map(|(a, b)| b - a)))
     }
 }
 
@@ -327,6 +348,9 @@ pub struct PrefillResult {
     /// Expert-major only, per repeat: TTFT / the compute-only TTFT of a run in RAM right after
     /// it (the same minute of this VM): what streaming the experts costs, whatever the minute.
     pub vs_beside: Vec<f64>,
+    /// Expert-major only, per repeat: CPU seconds the VM's host stole during the streamed run
+    /// and during the run in RAM beside it.
+    pub stolen_s: Vec<(f64, f64)>,
 }
 
 /// Repeats of the expert-major schedule, the one the targets are about: a median of 3 (this VM's
@@ -386,12 +410,16 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
                 // Priced like the compute-only runs: at kernel rates measured right before and
                 // after this repeat, so the bound meets the machine the run met.
                 let before = last_rates.take().unwrap_or_else(|| Rates::measure(Cpu::best()));
-                let ((ids, s), limit) = bracketed(store, || generate(store, &c, &p, 1))?;
+                let ((ids, s, stolen), limit) = bracketed(store, || generate_stolen(store, &c, &p, 1))?;
                 let after = Rates::measure(Cpu::best());
                 let rates = before.mean(&after);
                 last_rates = Some(after);
                 if chunk.is_none() {
-                    r.vs_beside.push(s.ttft_s / beside.ttft_s()?);
+                    let (in_ram, in_ram_stolen) = beside.ttft_s()?;
+                    r.vs_beside.push(s.ttft_s / in_ram);
+                    if let (Some(a), Some(b)) = (stolen, in_ram_stolen) {
+                        r.stolen_s.push((a, b));
+                    }
                     // The next repeat measures its own "before": this one's "after" is a run ago.
                     last_rates = None;
                 }
@@ -414,8 +442,8 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
                 r.flop_bound_best_s.push(flop_bound_best_s);
             }
             eprintln!(
-                "prefill {n} tokens, {name}: TTFT {:.2?} s, amplification {:.2}, {:.2?}x the bound, {:.2?}x the FLOP bound ({:.2?} s), {:.2?}x in RAM beside it",
-                r.ttft_s, r.amplification, r.vs_bound, r.vs_max_bound, r.flop_bound_s, r.vs_beside
+                "prefill {n} tokens, {name}: TTFT {:.2?} s, amplification {:.2}, {:.2?}x the bound, {:.2?}x the FLOP bound ({:.2?} s), {:.2?}x in RAM beside it, CPU s stolen by the host (streamed, in RAM) {:.2?}",
+                r.ttft_s, r.amplification, r.vs_bound, r.vs_max_bound, r.flop_bound_s, r.vs_beside, r.stolen_s
             );
             out.push(r);
         }

@@ -28,7 +28,7 @@ pub fn deltafin_home() -> PathBuf {
 pub fn checkpoint_store(ckpt: &Path, progress: &dyn Progress) -> Result<PathBuf> {
     let dir = std::fs::canonicalize(ckpt).map_err(Error::io(ckpt))?;
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
-    let key = xxhash_rust::xxh3::xxh3_64(dir.as_os_str().as_encoded_bytes());
+    let key = crate::checksum::xxh3_64(dir.as_os_str().as_encoded_bytes());
     let store = deltafin_home().join("in-place").join(format!("{name}-{key:016x}"));
     let fingerprint = crate::identity::source_id(&Checkpoint::open(&dir)?, &NoProgress)?;
     // A manifest exists only once a setup has finished.

@@ -475,7 +475,7 @@ pub(crate) fn pack_dir_name(record: &SetupRecord, h: usize, n: usize) -> String 
         "round-robin" => format!("{}-c{}-h{}of{n}", &record.source_id[..16], record.copies, h + 1),
         p => {
             let shares: Vec<String> = record.shares.iter().map(|s| format!("{s:.6}")).collect();
-            let id = xxhash_rust::xxh3::xxh3_64(shares.join(",").as_bytes());
+            let id = crate::checksum::xxh3_64(shares.join(",").as_bytes());
             format!("{}-{}{:08x}-h{}of{n}", &record.source_id[..16], &p[..1], id as u32, h + 1)
         }
     }

@@ -105,7 +105,7 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
         _ => hub.list_files()?.iter().map(to_hub_file).collect(),
     };
     let source = PathBuf::from(format!("hf://{}@{}", r.repo, hub.commit()));
-    let mut id = xxhash_rust::xxh3::Xxh3::new();
+    let mut id = crate::checksum::Xxh3Wide::new();
     id.update(source.to_string_lossy().as_bytes());
     for f in &files {
         id.update(format!("{} {} {:?} {:?}\n", f.path, f.size, f.sha256, f.git_oid).as_bytes());
@@ -116,7 +116,7 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
         homes.push(std::fs::canonicalize(h).map_err(Error::io(h))?);
     }
     // Each store its own folder in a home, so two stores never evict each other's experts.
-    let store_key = format!("{}-{:016x}", r.repo.replace('/', "--"), xxhash_rust::xxh3::xxh3_64(out_abs.as_os_str().as_encoded_bytes()));
+    let store_key = format!("{}-{:016x}", r.repo.replace('/', "--"), crate::checksum::xxh3_64(out_abs.as_os_str().as_encoded_bytes()));
     let cache_dirs: Vec<PathBuf> = homes.iter().map(|h| h.join(CACHE_DIR).join(&store_key)).collect();
     let record = SetupRecord {
         source,

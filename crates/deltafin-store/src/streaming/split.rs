@@ -77,7 +77,7 @@ pub(super) struct Split {
 /// The running checksum of one stripe, fed its parts in order as they land.
 struct StripeCheck {
     /// `None` while a reader thread is feeding it (or once the stripe is checked).
-    hasher: Option<Box<xxhash_rust::xxh3::Xxh3>>,
+    hasher: Option<Box<crate::checksum::Xxh3>>,
     /// Stripe bytes fed so far, from the stripe's start.
     fed_to: u64,
 }
@@ -239,7 +239,7 @@ impl Inner {
         let stripes = if by_stripes(e) {
             e.copies
                 .iter()
-                .map(|c| StripeCheck { hasher: Some(Box::new(xxhash_rust::xxh3::Xxh3::new())), fed_to: c.range(e.len).0 })
+                .map(|c| StripeCheck { hasher: Some(Box::new(crate::checksum::Xxh3::new())), fed_to: c.range(e.len).0 })
                 .collect()
         } else {
             Vec::new()
