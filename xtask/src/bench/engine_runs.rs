@@ -155,13 +155,18 @@ pub struct InRam {
 }
 
 impl InRam {
-    /// One more run of the prompt: its time to first token, and the CPU time stolen meanwhile.
-    pub fn ttft_s(&self) -> Result<(f64, Option<f64>)> {
+    /// One more run of the prompt: its first token, its time to first token, and the CPU time
+    /// stolen meanwhile.
+    pub fn run(&self) -> Result<(Vec<u32>, f64, Option<f64>)> {
         self.tally.reset();
         let mut seq = self.model.new_sequence();
+        let mut ids = Vec::new();
         let stolen = stolen_cpu_s();
-        let ttft = self.model.engine().generate(&mut seq, &self.prompt, &GenerateOptions::new(1), |_| true)?.ttft_s;
-        Ok((ttft, stolen.zip(stolen_cpu_s()).map(|(a, b)| b - a)))
+        let stats = self.model.engine().generate(&mut seq, &self.prompt, &GenerateOptions::new(1), |id| {
+            ids.push(id);
+            true
+        })?;
+        Ok((ids, stats.ttft_s, stolen.zip(stolen_cpu_s()).map(|(a, b)| b - a)))
     }
 }
 
@@ -415,7 +420,9 @@ pub fn prefill(store: &Path, ckpt: &Path, vocab: u32, budget: u64, quick: bool) 
                 let rates = before.mean(&after);
                 last_rates = Some(after);
                 if chunk.is_none() {
-                    let (in_ram, in_ram_stolen) = beside.ttft_s()?;
+                    let (in_ram_ids, in_ram, in_ram_stolen) = beside.run()?;
+                    // The same token in RAM as streamed (and every repeat's, checked below).
+                    r.ids_equal &= in_ram_ids == ids;
                     r.vs_beside.push(s.ttft_s / in_ram);
                     if let (Some(a), Some(b)) = (stolen, in_ram_stolen) {
                         r.stolen_s.push((a, b));
