@@ -11,7 +11,9 @@
 //! (the FMA peak on the case's instruction set, or the DRAM read for a bandwidth case): the
 //! machines here are shared VMs whose speed moves by up to 1.5x from one minute to the next, so a
 //! fraction of a peak measured minutes earlier says as much about the minute as about the
-//! kernel. The bench prints those fractions and writes them as a table to
+//! kernel. It also measures each case slice by slice: 11 pairs of 0.3 s of the case and 0.3 s of
+//! its limit, the median of the pairs' ratios, which holds still where the brackets (seconds
+//! apart) meet two speeds. The bench prints those fractions and writes them as a table to
 //! `target/criterion/kernels-of-peak.md`, which docs/bench/kernels.md quotes.
 //!
 //! `cargo bench -p deltafin-core --bench kernels`
@@ -168,67 +170,61 @@ fn bench(c: &mut Criterion) {
                 for_row_chunks(&mut out, n, &chunks, |rows, o| matmul_mxfp4(isa, &refs, &w, rows, o));
                 out
             };
-            around.case(&mut g, format!("mxfp4 {name}"), n, Work::Flops(flops, isa), |b| b.iter(|| expert(isa)));
+            around.case(&mut g, format!("mxfp4 {name}"), n, Work::Flops(flops, isa), || expert(isa));
             if n >= 64 {
                 // The prompt kernel this CPU does not pick, in the same run, through the same
                 // split and dispatch.
                 let (other, label) = other_prompt_kernel(isa);
-                around.case(&mut g, format!("mxfp4 {label} {name}"), n, Work::Flops(flops, isa), |b| b.iter(|| expert(other)));
+                around.case(&mut g, format!("mxfp4 {label} {name}"), n, Work::Flops(flops, isa), || expert(other));
             }
             if n == 1 || n == 512 {
                 // The baseline, in the same run: the same blocks one weight row at a time
                 // (tiles of one row: no input shared by several rows' FMA chains).
-                around.case(&mut g, format!("mxfp4 row by row {name}"), n, Work::Flops(flops, isa), |b| {
-                    b.iter(|| {
-                        let mut out = vec![0f32; ROWS * n];
-                        out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| {
-                            for (i, o) in o.chunks_mut(n).enumerate() {
-                                let r = 32 * b + i;
-                                for (x, o) in refs.chunks(8).zip(o.chunks_mut(8)) {
-                                    matmul_mxfp4(isa, x, &w, r..r + 1, o);
-                                }
+                around.case(&mut g, format!("mxfp4 row by row {name}"), n, Work::Flops(flops, isa), || {
+                    let mut out = vec![0f32; ROWS * n];
+                    out.par_chunks_mut(n * 32).enumerate().for_each(|(b, o)| {
+                        for (i, o) in o.chunks_mut(n).enumerate() {
+                            let r = 32 * b + i;
+                            for (x, o) in refs.chunks(8).zip(o.chunks_mut(8)) {
+                                matmul_mxfp4(isa, x, &w, r..r + 1, o);
                             }
-                        });
-                        out
-                    })
+                        }
+                    });
+                    out
                 });
             }
             let x = Mat::from_vec(n, COLS, floats(n * COLS, 13));
-            around.case(&mut g, format!("bf16 {name}"), n, Work::Flops(flops, isa), |b| b.iter(|| matmul_bf16_with(isa, &x, &bf16)));
+            around.case(&mut g, format!("bf16 {name}"), n, Work::Flops(flops, isa), || matmul_bf16_with(isa, &x, &bf16));
             if n >= 64 {
-                around.case(&mut g, format!("bf16 register tiles {name}"), n, Work::Flops(flops, isa), |b| {
-                    b.iter(|| matmul_bf16_without_panels(isa, &x, &bf16))
+                around.case(&mut g, format!("bf16 register tiles {name}"), n, Work::Flops(flops, isa), || {
+                    matmul_bf16_without_panels(isa, &x, &bf16)
                 });
             }
             if n == 512 {
                 // The previous kernel, in the same run: the same tiles, each value its own dot
                 // (no weight row shared by several token rows' FMA chains).
-                around.case(&mut g, format!("bf16 lone dots {name}"), n, Work::Flops(flops, isa), |b| {
-                    b.iter(|| {
-                        let mut out = vec![0f32; ROWS * n];
-                        out.par_chunks_mut(n * 32).enumerate().for_each(|(blk, o)| {
-                            for tile in (0..n).step_by(32) {
-                                for (i, o) in o.chunks_mut(n).enumerate() {
-                                    let wr = bf16.row(32 * blk + i);
-                                    for t in tile..(tile + 32).min(n) {
-                                        o[t] = dot_bf16(isa, x.row(t), wr);
-                                    }
+                around.case(&mut g, format!("bf16 lone dots {name}"), n, Work::Flops(flops, isa), || {
+                    let mut out = vec![0f32; ROWS * n];
+                    out.par_chunks_mut(n * 32).enumerate().for_each(|(blk, o)| {
+                        for tile in (0..n).step_by(32) {
+                            for (i, o) in o.chunks_mut(n).enumerate() {
+                                let wr = bf16.row(32 * blk + i);
+                                for t in tile..(tile + 32).min(n) {
+                                    o[t] = dot_bf16(isa, x.row(t), wr);
                                 }
                             }
-                        });
-                        out
-                    })
+                        }
+                    });
+                    out
                 });
-                around.case(&mut g, format!("bf16 untiled {name}"), n, Work::Flops(flops, isa), |b| {
-                    b.iter(|| {
-                        let mut out = vec![0f32; ROWS * n];
-                        out.par_chunks_mut(n).with_min_len(32).enumerate().for_each(|(r, o)| {
-                            for (t, o) in o.iter_mut().enumerate() {
-                                *o = dot_bf16(isa, x.row(t), bf16.row(r));
-                            }
-                        });
-                        out
-                    })
+                around.case(&mut g, format!("bf16 untiled {name}"), n, Work::Flops(flops, isa), || {
+                    let mut out = vec![0f32; ROWS * n];
+                    out.par_chunks_mut(n).with_min_len(32).enumerate().for_each(|(r, o)| {
+                        for (t, o) in o.iter_mut().enumerate() {
+                            *o = dot_bf16(isa, x.row(t), bf16.row(r));
+                        }
+                    });
+                    out
                 });
             }
         }
@@ -238,25 +234,21 @@ fn bench(c: &mut Criterion) {
         let x = Mat::from_vec(1, d, floats(d, 19));
         let mut next = 0;
         g.throughput(Throughput::Bytes((d * d * 2) as u64));
-        around.case(&mut g, format!("bf16 gemv 7168 {name}"), 1, Work::Bytes((d * d * 2) as u64), |b| {
-            b.iter(|| {
-                next = (next + 1) % gemvs.len();
-                matmul_bf16_with(isa, &x, &gemvs[next])
-            })
+        around.case(&mut g, format!("bf16 gemv 7168 {name}"), 1, Work::Bytes((d * d * 2) as u64), || {
+            next = (next + 1) % gemvs.len();
+            matmul_bf16_with(isa, &x, &gemvs[next])
         });
         // The previous GEMV, in the same run: one lone dot per weight row.
-        around.case(&mut g, format!("bf16 gemv 7168 lone dots {name}"), 1, Work::Bytes((d * d * 2) as u64), |b| {
-            b.iter(|| {
-                next = (next + 1) % gemvs.len();
-                let gemv = &gemvs[next];
-                let mut out = vec![0f32; d];
-                out.par_chunks_mut(32).enumerate().for_each(|(blk, o)| {
-                    for (i, o) in o.iter_mut().enumerate() {
-                        *o = dot_bf16(isa, x.row(0), gemv.row(32 * blk + i));
-                    }
-                });
-                out
-            })
+        around.case(&mut g, format!("bf16 gemv 7168 lone dots {name}"), 1, Work::Bytes((d * d * 2) as u64), || {
+            next = (next + 1) % gemvs.len();
+            let gemv = &gemvs[next];
+            let mut out = vec![0f32; d];
+            out.par_chunks_mut(32).enumerate().for_each(|(blk, o)| {
+                for (i, o) in o.iter_mut().enumerate() {
+                    *o = dot_bf16(isa, x.row(0), gemv.row(32 * blk + i));
+                }
+            });
+            out
         });
         // Short rows from DRAM (K3's kv_b and q_b, `small`'s whole spine: 512 to 2048 columns):
         // below 4096 columns decode-sized rows run one after another; side by side, in the same
@@ -265,39 +257,33 @@ fn bench(c: &mut Criterion) {
         let xs = floats(cols, 23);
         let xm = Mat::from_vec(1, cols, xs.clone());
         g.throughput(Throughput::Bytes((rows * cols * 2) as u64));
-        around.case(&mut g, format!("bf16 gemv 1024 {name}"), 1, Work::Bytes((rows * cols * 2) as u64), |b| {
-            b.iter(|| {
-                next = (next + 1) % shorts.len();
-                matmul_bf16_with(isa, &xm, &shorts[next])
-            })
+        around.case(&mut g, format!("bf16 gemv 1024 {name}"), 1, Work::Bytes((rows * cols * 2) as u64), || {
+            next = (next + 1) % shorts.len();
+            matmul_bf16_with(isa, &xm, &shorts[next])
         });
         let split = row_chunks(rows, 128, 32, rayon::current_num_threads());
-        around.case(&mut g, format!("bf16 gemv 1024 side by side {name}"), 1, Work::Bytes((rows * cols * 2) as u64), |b| {
-            b.iter(|| {
-                next = (next + 1) % shorts.len();
-                let m = &shorts[next];
-                let mut out = vec![0f32; rows];
-                for_row_chunks(&mut out, 1, &split, |r, o| {
-                    let ws: Vec<&[u8]> = r.map(|i| m.row(i)).collect();
-                    dot_bf16_rows_side_by_side(isa, &xs, &ws, o);
-                });
-                out
-            })
+        around.case(&mut g, format!("bf16 gemv 1024 side by side {name}"), 1, Work::Bytes((rows * cols * 2) as u64), || {
+            next = (next + 1) % shorts.len();
+            let m = &shorts[next];
+            let mut out = vec![0f32; rows];
+            for_row_chunks(&mut out, 1, &split, |r, o| {
+                let ws: Vec<&[u8]> = r.map(|i| m.row(i)).collect();
+                dot_bf16_rows_side_by_side(isa, &xs, &ws, o);
+            });
+            out
         });
         // A decode-sized expert matrix from DRAM, as the engine meets one (just read from a
         // drive, or cached long ago): each iteration takes the next of many w1-sized matrices.
         let x1 = [permute_for_mxfp4(&floats(COLS, 11))];
         let x1: Vec<&[f32]> = x1.iter().map(|x| &x[..]).collect();
         g.throughput(Throughput::Elements((2 * ROWS * COLS) as u64));
-        around.case(&mut g, format!("mxfp4 from dram {name}"), 1, Work::Flops((2 * ROWS * COLS) as u64, isa), |b| {
-            b.iter(|| {
-                next = (next + 1) % cold.len();
-                let (p, s) = &cold[next];
-                let w = Mxfp4Matrix::new(ROWS, COLS, p, s).expect("w1 shape");
-                let mut out = vec![0f32; ROWS];
-                out.par_chunks_mut(32).enumerate().for_each(|(b, o)| matmul_mxfp4(isa, &x1, &w, 32 * b..32 * b + 32, o));
-                out
-            })
+        around.case(&mut g, format!("mxfp4 from dram {name}"), 1, Work::Flops((2 * ROWS * COLS) as u64, isa), || {
+            next = (next + 1) % cold.len();
+            let (p, s) = &cold[next];
+            let w = Mxfp4Matrix::new(ROWS, COLS, p, s).expect("w1 shape");
+            let mut out = vec![0f32; ROWS];
+            out.par_chunks_mut(32).enumerate().for_each(|(b, o)| matmul_mxfp4(isa, &x1, &w, 32 * b..32 * b + 32, o));
+            out
         });
     }
     g.finish();
@@ -365,24 +351,61 @@ impl<'a> Around<'a> {
         }
     }
 
-    /// Runs case `function`/`n` through criterion between two measurements of its limit; if
-    /// the filter ran it, records its median against their mean.
-    fn case(
-        &mut self,
-        g: &mut BenchmarkGroup<'_, WallTime>,
-        function: String,
-        n: usize,
-        work: Work,
-        f: impl FnMut(&mut Bencher<'_, WallTime>),
-    ) {
+    /// One pass of the limit's loop: the FMA loop on every core, or the DRAM read; returns its
+    /// work (FLOPs, or GiB as 1e9 units' worth of bytes, so rates come out in GiB/s).
+    fn limit_once(&self, work: Work) -> f64 {
+        match work {
+            Work::Flops(_, isa) => fma_on_every_core(isa),
+            Work::Bytes(_) => {
+                black_box(dram_read(Isa::best(), self.big));
+                (self.big.len() * 4) as f64 / 1.073_741_824
+            }
+        }
+    }
+
+    /// The case's rate as a fraction of its limit's, slice by slice: [`PAIRS`] pairs of about
+    /// [`SLICE_S`] of the case then as long of the limit's loop, the median of the pairs'
+    /// ratios. Each pair meets one moment of the machine, where the brackets around
+    /// criterion's run are seconds apart and can meet two (they have differed by 1.5x).
+    fn paired(&self, work: Work, body: &mut impl FnMut()) -> f64 {
+        let per = match work {
+            Work::Flops(flops, _) => flops as f64,
+            Work::Bytes(bytes) => bytes as f64 / 1.073_741_824,
+        };
+        let mut ratios: Vec<f64> = (0..PAIRS)
+            .map(|_| {
+                let (mut done, t) = (0.0, std::time::Instant::now());
+                while t.elapsed().as_secs_f64() < SLICE_S {
+                    body();
+                    done += per;
+                }
+                let case = done / t.elapsed().as_secs_f64();
+                let (mut done, t) = (0.0, std::time::Instant::now());
+                while t.elapsed().as_secs_f64() < SLICE_S {
+                    done += self.limit_once(work);
+                }
+                case / (done / t.elapsed().as_secs_f64())
+            })
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        ratios[PAIRS / 2]
+    }
+
+    /// Runs case `function`/`n` (`body` once per iteration) through criterion between two
+    /// measurements of its limit; if the filter ran it, records its median against their mean,
+    /// and its [`Around::paired`] fraction.
+    fn case<T>(&mut self, g: &mut BenchmarkGroup<'_, WallTime>, function: String, n: usize, work: Work, mut body: impl FnMut() -> T) {
         let estimates = self.dir.join("k3 shapes").join(&function).join(n.to_string()).join("new/estimates.json");
         let modified = || std::fs::metadata(&estimates).and_then(|m| m.modified()).ok();
         let (was, before) = (modified(), self.limit(work));
-        g.bench_function(BenchmarkId::new(function.clone(), n), f);
+        g.bench_function(BenchmarkId::new(function.clone(), n), |b: &mut Bencher<'_, WallTime>| b.iter(&mut body));
         if modified() == was {
             return; // filtered out
         }
         let after = self.limit(work);
+        let paired = self.paired(work, &mut || {
+            black_box(body());
+        });
         let median_ns = std::fs::read_to_string(&estimates)
             .ok()
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
@@ -393,8 +416,16 @@ impl<'a> Around<'a> {
             Work::Bytes(bytes) => (bytes as f64 / median_ns / 1.073_741_824, "GiB/s", "DRAM read"),
         };
         let of = 2.0 * rate / (before + after);
-        println!("{function}/{n}: {rate:.1} {unit} = {:.0}% of the {limit} around it ({before:.1} before, {after:.1} after)", 100.0 * of);
-        self.rows.push(format!("| {function} | {n} | {rate:.1} {unit} | {limit} {before:.1} / {after:.1} | {:.0}% |", 100.0 * of));
+        println!(
+            "{function}/{n}: {rate:.1} {unit} = {:.0}% of the {limit} around it ({before:.1} before, {after:.1} after); {:.0}% slice by slice",
+            100.0 * of,
+            100.0 * paired
+        );
+        self.rows.push(format!(
+            "| {function} | {n} | {rate:.1} {unit} | {limit} {before:.1} / {after:.1} | {:.0}% | {:.0}% |",
+            100.0 * of,
+            100.0 * paired
+        ));
     }
 
     /// Writes the table (the cases that ran) beside criterion's results.
@@ -402,8 +433,10 @@ impl<'a> Around<'a> {
         if self.rows.is_empty() {
             return;
         }
-        let table =
-            format!("| case | n | median | limit before / after | of their mean |\n|---|---|---|---|---|\n{}\n", self.rows.join("\n"));
+        let table = format!(
+            "| case | n | median | limit before / after | of their mean | slice by slice |\n|---|---|---|---|---|---|\n{}\n",
+            self.rows.join("\n")
+        );
         println!("\n{table}");
         let path = self.dir.join("kernels-of-peak.md");
         if let Err(e) = std::fs::create_dir_all(&self.dir).and_then(|()| std::fs::write(&path, &table)) {
@@ -411,6 +444,12 @@ impl<'a> Around<'a> {
         }
     }
 }
+
+/// Pairs of slices in [`Around::paired`].
+const PAIRS: usize = 11;
+/// Seconds of each slice: long enough for a few iterations of the slowest case, short beside
+/// the machine's swings, which last seconds.
+const SLICE_S: f64 = 0.3;
 
 /// What a case does per iteration, and so which limit it meets.
 #[derive(Clone, Copy)]
