@@ -300,12 +300,12 @@ fn dram_read(isa: Isa, big: &[f32]) -> f32 {
     big.par_chunks(1 << 16).map(|c| dot_f32(isa, c, c)).sum::<f32>()
 }
 
-/// The median of `f()`'s `reps` rates, `work / seconds`, in units of 1e9 a second.
-fn median_rate(reps: usize, work: f64, mut f: impl FnMut()) -> f64 {
+/// The median of `reps` rates of `f`, which returns the work it did, in units of 1e9 a second.
+fn median_rate(reps: usize, mut f: impl FnMut() -> f64) -> f64 {
     let mut rates: Vec<f64> = (0..reps)
         .map(|_| {
             let t = std::time::Instant::now();
-            f();
+            let work = f();
             work / t.elapsed().as_secs_f64() / 1e9
         })
         .collect();
@@ -333,32 +333,24 @@ impl<'a> Around<'a> {
         Around { big, dir, rows: Vec::new() }
     }
 
-    /// The limit for `work` now: the FMA peak in GFLOP/s, or the DRAM read in GiB/s.
+    /// The limit for `work` now: the FMA peak in GFLOP/s, or the DRAM read in GiB/s (the
+    /// median of 41 short FMA passes, or of 5 reads of 1 GiB).
     fn limit(&self, work: Work) -> f64 {
-        match work {
-            Work::Flops(_, isa) => {
-                let flops = fma_on_every_core(isa);
-                median_rate(41, flops, || {
-                    black_box(fma_on_every_core(isa));
-                })
-            }
-            Work::Bytes(_) => {
-                let isa = Isa::best();
-                median_rate(5, (self.big.len() * 4) as f64 / 1.073_741_824, || {
-                    black_box(dram_read(isa, self.big));
-                })
-            }
-        }
+        let reps = match work {
+            Work::Flops(..) => 41,
+            Work::Bytes(_) => 5,
+        };
+        median_rate(reps, || self.limit_once(work))
     }
 
     /// One pass of the limit's loop: the FMA loop on every core, or the DRAM read; returns its
-    /// work (FLOPs, or GiB as 1e9 units' worth of bytes, so rates come out in GiB/s).
+    /// work in [`Work::amount`]'s units.
     fn limit_once(&self, work: Work) -> f64 {
         match work {
             Work::Flops(_, isa) => fma_on_every_core(isa),
             Work::Bytes(_) => {
                 black_box(dram_read(Isa::best(), self.big));
-                (self.big.len() * 4) as f64 / 1.073_741_824
+                Work::Bytes((self.big.len() * 4) as u64).amount()
             }
         }
     }
@@ -368,10 +360,7 @@ impl<'a> Around<'a> {
     /// ratios. Each pair meets one moment of the machine, where the brackets around
     /// criterion's run are seconds apart and can meet two (they have differed by 1.5x).
     fn paired(&self, work: Work, body: &mut impl FnMut()) -> f64 {
-        let per = match work {
-            Work::Flops(flops, _) => flops as f64,
-            Work::Bytes(bytes) => bytes as f64 / 1.073_741_824,
-        };
+        let per = work.amount();
         let mut ratios: Vec<f64> = (0..PAIRS)
             .map(|_| {
                 let (mut done, t) = (0.0, std::time::Instant::now());
@@ -411,9 +400,10 @@ impl<'a> Around<'a> {
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
             .and_then(|v| v["median"]["point_estimate"].as_f64())
             .expect("criterion's estimates of the case just run");
-        let (rate, unit, limit) = match work {
-            Work::Flops(flops, _) => (flops as f64 / median_ns, "GFLOP/s", "FMA peak"),
-            Work::Bytes(bytes) => (bytes as f64 / median_ns / 1.073_741_824, "GiB/s", "DRAM read"),
+        let rate = work.amount() / median_ns;
+        let (unit, limit) = match work {
+            Work::Flops(..) => ("GFLOP/s", "FMA peak"),
+            Work::Bytes(_) => ("GiB/s", "DRAM read"),
         };
         let of = 2.0 * rate / (before + after);
         println!(
@@ -458,6 +448,17 @@ enum Work {
     Flops(u64, Isa),
     /// Bytes read from DRAM: against the DRAM read.
     Bytes(u64),
+}
+
+impl Work {
+    /// The work in units that make a rate per nanosecond read as GFLOP/s or GiB/s: FLOPs, or
+    /// bytes / 1.073741824.
+    fn amount(self) -> f64 {
+        match self {
+            Work::Flops(flops, _) => flops as f64,
+            Work::Bytes(bytes) => bytes as f64 / 1.073_741_824,
+        }
+    }
 }
 
 /// BF16 bytes of small finite values.

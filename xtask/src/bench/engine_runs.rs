@@ -44,6 +44,12 @@ pub fn generate_stolen(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize
         .read_caps(cfg.read_cap.into_iter().collect())
         .context(prompt.len() + new + 8)
         .open()?;
+    generate_on(&model, prompt, new)
+}
+
+/// `new` tokens after `prompt` on an open model: the ids, the stats, and the CPU time stolen
+/// meanwhile ([`stolen_cpu_s`]).
+fn generate_on(model: &LoadedModel, prompt: &[u32], new: usize) -> Result<(Vec<u32>, Stats, Option<f64>)> {
     let mut ids = Vec::new();
     let mut seq = model.new_sequence();
     let stolen = stolen_cpu_s();
@@ -58,7 +64,7 @@ pub fn generate_stolen(store: &Path, cfg: &RunConfig, prompt: &[u32], new: usize
 /// `/proc/stat`, summed over cores): on this VM the host's emulation of the disk runs partly on
 /// time taken from our cores, so a run that reads loses compute a run in RAM keeps. `None` where
 /// there is no such file.
-pub fn stolen_cpu_s() -> Option<f64> {
+fn stolen_cpu_s() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     // "cpu  user nice system idle iowait irq softirq steal ...", in USER_HZ (100 per second on
     // every Linux this runs on).
@@ -159,14 +165,8 @@ impl InRam {
     /// stolen meanwhile.
     pub fn run(&self) -> Result<(Vec<u32>, f64, Option<f64>)> {
         self.tally.reset();
-        let mut seq = self.model.new_sequence();
-        let mut ids = Vec::new();
-        let stolen = stolen_cpu_s();
-        let stats = self.model.engine().generate(&mut seq, &self.prompt, &GenerateOptions::new(1), |id| {
-            ids.push(id);
-            true
-        })?;
-        Ok((ids, stats.ttft_s, stolen.zip(stolen_cpu_s()).map(|(a, b)| b - a)))
+        let (ids, stats, stolen) = generate_on(&self.model, &self.prompt, 1)?;
+        Ok((ids, stats.ttft_s, stolen))
     }
 }
 
