@@ -4,7 +4,9 @@
 //! and a BF16 matrix of the same shape at n = 1, 8, 64, 512 token rows on the engine's
 //! row-parallel split (at n = 512 also the split before token tiling, as a baseline in the same
 //! run), and from DRAM (working sets past the last-level cache): a 7168 x 7168 BF16 GEMV, a
-//! short-row one (16384 x 1024) and the expert matrix at n = 1. Throughput is in elements =
+//! short-row one (16384 x 1024) and the expert matrix at n = 1. On AVX2 the n = 1 expert cases
+//! also run with the compiler's tile in place of the one written in assembly, in the same run.
+//! Throughput is in elements =
 //! FLOPs (bytes for the bandwidth case), so criterion's `thrpt` reads as GFLOP/s.
 //!
 //! Each K3-shape case is also set beside the limit measured right before and right after it
@@ -27,8 +29,8 @@ use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, Bencher, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
 use deltafin_core::{
     dot_bf16, dot_bf16_rows_side_by_side, dot_f32, expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_bf16_without_panels,
-    matmul_mxfp4, permute_for_mxfp4, permute_for_mxfp4_into, row_chunks, Bf16Matrix, Bytes, Isa, IsaKind, LinedRows, Mat, Mxfp4Matrix,
-    PromptKernel,
+    matmul_mxfp4, matmul_mxfp4_without_assembly, permute_for_mxfp4, permute_for_mxfp4_into, row_chunks, Bf16Matrix, Bytes, Isa, IsaKind,
+    LinedRows, Mat, Mxfp4Matrix, PromptKernel,
 };
 use rayon::prelude::*;
 
@@ -101,6 +103,9 @@ mod x86 {
     }
 }
 
+/// A product of MXFP4 rows and inputs (`matmul_mxfp4` and its variants).
+type Matmul = fn(Isa, &[&[f32]], &Mxfp4Matrix, std::ops::Range<usize>, &mut [f32]);
+
 fn isas() -> Vec<Isa> {
     // The best ISA, and AVX2 too where the best is AVX-512 (machines here differ).
     let mut v = vec![Isa::best()];
@@ -164,13 +169,20 @@ fn bench(c: &mut Criterion) {
             let w = Mxfp4Matrix::new(ROWS, COLS, &packed, &scales).unwrap();
             // The engine's split (`expert_forward`): blocks of rows in parallel, each one
             // `matmul_mxfp4` over every input.
-            let expert = |isa: Isa| {
+            let expert_with = |isa: Isa, matmul: Matmul| {
                 let chunks = expert_row_chunks(isa, ROWS, n);
                 let mut out = vec![0f32; ROWS * n];
-                for_row_chunks(&mut out, n, &chunks, |rows, o| matmul_mxfp4(isa, &refs, &w, rows, o));
+                for_row_chunks(&mut out, n, &chunks, |rows, o| matmul(isa, &refs, &w, rows, o));
                 out
             };
+            let expert = |isa: Isa| expert_with(isa, matmul_mxfp4);
             around.case(&mut g, format!("mxfp4 {name}"), n, Work::Flops(flops, isa), || expert(isa));
+            if n == 1 && isa.kind() == IsaKind::Avx2 {
+                // The decode's tile as the compiler writes it, in the same run (the same bits).
+                around.case(&mut g, format!("mxfp4 compiled tile {name}"), n, Work::Flops(flops, isa), || {
+                    expert_with(isa, matmul_mxfp4_without_assembly)
+                });
+            }
             if n >= 64 {
                 // The prompt kernel this CPU does not pick, in the same run, through the same
                 // split and dispatch.
@@ -277,14 +289,20 @@ fn bench(c: &mut Criterion) {
         let x1 = [permute_for_mxfp4(&floats(COLS, 11))];
         let x1: Vec<&[f32]> = x1.iter().map(|x| &x[..]).collect();
         g.throughput(Throughput::Elements((2 * ROWS * COLS) as u64));
-        around.case(&mut g, format!("mxfp4 from dram {name}"), 1, Work::Flops((2 * ROWS * COLS) as u64, isa), || {
+        let mut from_dram = |matmul: Matmul| {
             next = (next + 1) % cold.len();
             let (p, s) = &cold[next];
             let w = Mxfp4Matrix::new(ROWS, COLS, p, s).expect("w1 shape");
             let mut out = vec![0f32; ROWS];
-            out.par_chunks_mut(32).enumerate().for_each(|(b, o)| matmul_mxfp4(isa, &x1, &w, 32 * b..32 * b + 32, o));
+            out.par_chunks_mut(32).enumerate().for_each(|(b, o)| matmul(isa, &x1, &w, 32 * b..32 * b + 32, o));
             out
-        });
+        };
+        around.case(&mut g, format!("mxfp4 from dram {name}"), 1, Work::Flops((2 * ROWS * COLS) as u64, isa), || from_dram(matmul_mxfp4));
+        if isa.kind() == IsaKind::Avx2 {
+            around.case(&mut g, format!("mxfp4 from dram compiled tile {name}"), 1, Work::Flops((2 * ROWS * COLS) as u64, isa), || {
+                from_dram(matmul_mxfp4_without_assembly)
+            });
+        }
     }
     g.finish();
     around.finish();

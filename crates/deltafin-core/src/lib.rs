@@ -34,8 +34,9 @@ pub use crate::{
     error::{Error, Result},
     kernels::{
         dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_bf16_rows_side_by_side, dot_f32, dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale,
-        first_come, for_row_chunks, matmul_bf16, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, on_compute_threads,
-        permute_for_mxfp4, permute_for_mxfp4_into, row_chunks, Isa, IsaKind, LinedRows, Mxfp4Matrix, PromptKernel, LANES,
+        first_come, for_row_chunks, matmul_bf16, matmul_bf16_with, matmul_bf16_without_panels, matmul_mxfp4, matmul_mxfp4_without_assembly,
+        on_compute_threads, permute_for_mxfp4, permute_for_mxfp4_into, row_chunks, Isa, IsaKind, LinedRows, Mxfp4Matrix, PromptKernel,
+        LANES,
     },
     math::{argmax, rms_norm_in_place, situ, softmax_in_place},
     model::{

@@ -14,6 +14,8 @@ mod lined;
 mod matmul;
 mod mxfp4;
 #[cfg(target_arch = "x86_64")]
+mod mxfp4_avx2_asm;
+#[cfg(target_arch = "x86_64")]
 mod mxfp4_x86;
 #[cfg(target_arch = "aarch64")]
 mod neon;
@@ -25,7 +27,8 @@ pub use dot::{dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_bf16_rows_side_by_si
 pub use lined::LinedRows;
 pub use matmul::{matmul_bf16, matmul_bf16_with, matmul_bf16_without_panels};
 pub use mxfp4::{
-    dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_mxfp4, permute_for_mxfp4, permute_for_mxfp4_into, Mxfp4Matrix,
+    dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale, matmul_mxfp4, matmul_mxfp4_without_assembly, permute_for_mxfp4,
+    permute_for_mxfp4_into, Mxfp4Matrix,
 };
 
 #[cfg(test)]

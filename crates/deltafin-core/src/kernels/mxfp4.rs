@@ -86,6 +86,17 @@ pub fn dot_mxfp4_inputs(isa: Isa, xs: &[&[f32]], packed: &[u8], scales: &[u8], o
 /// every value keeps its lone dot's own chain of fused multiply-adds (`mxfp4_x86`). Threads are
 /// the caller's: this is one task's block.
 pub fn matmul_mxfp4(isa: Isa, xs: &[&[f32]], w: &Mxfp4Matrix, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    product(isa, xs, w, rows, out, true)
+}
+
+/// [`matmul_mxfp4`] with the compiler's AVX2 tile where it takes the decode's one written in
+/// assembly (`mxfp4_avx2_asm`): the same bits, for benchmarks to set the two side by side.
+pub fn matmul_mxfp4_without_assembly(isa: Isa, xs: &[&[f32]], w: &Mxfp4Matrix, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    product(isa, xs, w, rows, out, false)
+}
+
+/// [`matmul_mxfp4`], with or without the assembly tile.
+fn product(isa: Isa, xs: &[&[f32]], w: &Mxfp4Matrix, rows: std::ops::Range<usize>, out: &mut [f32], assembly: bool) {
     assert!(rows.end <= w.rows, "matmul_mxfp4: rows {rows:?} past {}", w.rows);
     assert_eq!(out.len(), rows.len() * xs.len(), "matmul_mxfp4: one output per row and input");
     for x in xs {
@@ -95,14 +106,17 @@ pub fn matmul_mxfp4(isa: Isa, xs: &[&[f32]], w: &Mxfp4Matrix, rows: std::ops::Ra
     match isa.kind() {
         #[cfg(target_arch = "x86_64")]
         IsaKind::Avx512 | IsaKind::Avx2 => {
-            tiles::run(isa.kind(), isa.prompt_kernel() == super::dot::PromptKernel::Panels, xs, w, rows, out, table)
+            tiles::run(isa.kind(), isa.prompt_kernel() == super::dot::PromptKernel::Panels, assembly, xs, w, rows, out, table)
         }
         #[cfg(target_arch = "aarch64")]
         IsaKind::Neon => each_value(xs, w, rows, out, |x, p, s| {
             // SAFETY: NEON is only selected after feature detection; lengths checked above.
             unsafe { super::neon::dot_mxfp4_neon(x, p, s) }
         }),
-        _ => each_value(xs, w, rows, out, |x, p, s| dot_mxfp4_scalar(x, p, s, table)),
+        _ => {
+            let _ = assembly;
+            each_value(xs, w, rows, out, |x, p, s| dot_mxfp4_scalar(x, p, s, table))
+        }
     }
 }
 
@@ -191,9 +205,11 @@ mod tiles {
     /// accumulators it stays in L1 while every row of the block passes over it.
     const X_BLOCK_BYTES: usize = 16 << 10;
 
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         kind: IsaKind,
         panels: bool,
+        assembly: bool,
         xs: &[&[f32]],
         w: &Mxfp4Matrix,
         rows: std::ops::Range<usize>,
@@ -235,7 +251,7 @@ mod tiles {
         let n = 4;
         for (c, chunk) in xs.chunks(n).enumerate() {
             let cols = c * n..c * n + chunk.len();
-            let a = (kind, chunk, w, rows.clone(), &mut *out, t, cols, table);
+            let a = (kind, assembly, chunk, w, rows.clone(), &mut *out, t, cols, table);
             // Accumulators fill the register file: AVX-512 has 32 vector registers, AVX2 16,
             // where each value takes two and the inputs are read from L1 by the FMAs. AVX2's
             // shapes were picked on Zen 3 by timing builds changed by hand (not kept): 3 rows x
@@ -255,6 +271,7 @@ mod tiles {
 
     type Args<'a, 'b> = (
         IsaKind,
+        bool,
         &'a [&'a [f32]],
         &'a Mxfp4Matrix<'a>,
         std::ops::Range<usize>,
@@ -266,7 +283,7 @@ mod tiles {
 
     /// `rows` in tiles of `R` (the tail one row at a time) against exactly `N` inputs, K block by
     /// K block, written to `out[(r - rows.start) * stride + cols]`.
-    fn by_rows<const R: usize, const N: usize>((kind, xs, w, rows, out, stride, cols, table): Args<'_, '_>) {
+    fn by_rows<const R: usize, const N: usize>((kind, assembly, xs, w, rows, out, stride, cols, table): Args<'_, '_>) {
         let x: [*const f32; N] = std::array::from_fn(|t| xs[t].as_ptr());
         let groups = w.cols / 32;
         let block = (X_BLOCK_BYTES / (N * 32 * 4)).max(4);
@@ -278,9 +295,9 @@ mod tiles {
                 let r = if rows.len() - i >= R { R } else { 1 };
                 let acc = &mut lanes[i..i + r];
                 if r == R {
-                    tile::<R, N>(kind, w, rows.start + i, x, span.clone(), table, acc.try_into().expect("R rows"));
+                    tile::<R, N>(kind, assembly, w, rows.start + i, x, span.clone(), table, acc.try_into().expect("R rows"));
                 } else {
-                    tile::<1, N>(kind, w, rows.start + i, x, span.clone(), table, acc.try_into().expect("1 row"));
+                    tile::<1, N>(kind, assembly, w, rows.start + i, x, span.clone(), table, acc.try_into().expect("1 row"));
                 }
                 i += r;
             }
@@ -293,8 +310,10 @@ mod tiles {
     }
 
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     fn tile<const R: usize, const N: usize>(
         kind: IsaKind,
+        assembly: bool,
         w: &Mxfp4Matrix,
         r: usize,
         xs: [*const f32; N],
@@ -315,7 +334,7 @@ mod tiles {
         unsafe {
             match kind {
                 IsaKind::Avx512 => tile_avx512(&tile, acc),
-                _ => tile_avx2(&tile, acc),
+                _ => tile_avx2(&tile, acc, assembly),
             }
         }
     }

@@ -135,11 +135,7 @@ fn byte_tables() -> &'static [[[u8; 16]; 2]; 256] {
 unsafe fn decode_group_avx2(codes: *const u8, table: &[[u8; 16]; 2], top: __m256i) -> [__m256; 4] {
     // SAFETY: the caller's contract; the tables are 16 bytes each.
     unsafe {
-        let spread = _mm256_setr_epi8(
-            0, -1, 1, -1, 2, -1, 3, -1, 8, -1, 9, -1, 10, -1, 11, -1, //
-            4, -1, 5, -1, 6, -1, 7, -1, 12, -1, 13, -1, 14, -1, 15, -1,
-        );
-        let words = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(codes as *const __m128i)), spread);
+        let words = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(codes as *const __m128i)), spread_words());
         // A word holds one byte `b`: `b | b << 4` has the low nibble in bits 0-3 and the high
         // one in bits 8-11; the mask drops the rest (a shuffle index with bit 7 set reads zero).
         let nibbles = _mm256_and_si256(_mm256_or_si256(words, _mm256_slli_epi16(words, 4)), _mm256_set1_epi16(0x0F0F));
@@ -152,6 +148,17 @@ unsafe fn decode_group_avx2(codes: *const u8, table: &[[u8; 16]; 2], top: __m256
     }
 }
 
+/// The byte shuffle that spreads a group's 16 code bytes to 16-bit words, bytes 0-3 and 8-11 in
+/// the low 128-bit half and 4-7 and 12-15 in the high one, for [`decode_group_avx2`].
+#[inline]
+#[target_feature(enable = "avx2")]
+fn spread_words() -> __m256i {
+    _mm256_setr_epi8(
+        0, -1, 1, -1, 2, -1, 3, -1, 8, -1, 9, -1, 10, -1, 11, -1, //
+        4, -1, 5, -1, 6, -1, 7, -1, 12, -1, 13, -1, 14, -1, 15, -1,
+    )
+}
+
 /// The mask of each 32-bit word's top 16 bits, for [`decode_group_avx2`], hidden from the
 /// optimizer.
 #[inline]
@@ -162,12 +169,38 @@ fn top_halves() -> __m256i {
 
 /// Continues `acc` over the tile's groups, on AVX2 + FMA: each group of a row decoded once
 /// ([`decode_group_avx2`]) into its 16 lanes' even and odd values, two 8-lane accumulators per
-/// value.
+/// value. With `assembly`, a tile of 3 rows by 1 input (a token's decode) runs its whole passes
+/// of groups through `mxfp4_avx2_asm`, the same operations in the same order.
 ///
 /// # Safety
 /// AVX2 and FMA must be available; every pointer must cover the tile's groups.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn tile_avx2<const R: usize, const N: usize>(tile: &Tile<'_, R, N>, acc_io: &mut Lanes<R, N>) {
+pub(super) unsafe fn tile_avx2<const R: usize, const N: usize>(tile: &Tile<'_, R, N>, acc_io: &mut Lanes<R, N>, assembly: bool) {
+    use super::mxfp4_avx2_asm::{tile_3x1, GROUPS_PER_PASS};
+    if assembly && R == 3 && N == 1 && tile.groups.len() >= GROUPS_PER_PASS {
+        // The decode's tile, written out (`mxfp4_avx2_asm`), over whole passes; the rest here.
+        let split = tile.groups.start + tile.groups.len() / GROUPS_PER_PASS * GROUPS_PER_PASS;
+        // SAFETY: R is 3 and N is 1, so the casts are to the same types; the caller's contract
+        // covers both halves of the groups.
+        unsafe {
+            let three = &*(tile as *const Tile<'_, R, N>).cast::<Tile<'_, 3, 1>>();
+            let acc = &mut *(acc_io as *mut Lanes<R, N>).cast::<Lanes<3, 1>>();
+            let constants = (spread_words(), _mm256_set1_epi16(0x0F0F), top_halves());
+            tile_3x1(&Tile { groups: three.groups.start..split, ..*three }, byte_tables(), constants, acc);
+            tile_avx2_groups(&Tile { groups: split..tile.groups.end, ..*tile }, acc_io);
+        }
+        return;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { tile_avx2_groups(tile, acc_io) }
+}
+
+/// [`tile_avx2`]'s loop for every tile shape.
+///
+/// # Safety
+/// As for [`tile_avx2`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2_groups<const R: usize, const N: usize>(tile: &Tile<'_, R, N>, acc_io: &mut Lanes<R, N>) {
     let table = byte_tables();
     let top = top_halves();
     // SAFETY: lanes 0-7 and 8-15 of a `[f32; 16]` are two 32-byte vectors.

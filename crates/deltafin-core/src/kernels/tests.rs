@@ -117,6 +117,36 @@ fn every_scale_byte_and_code_decodes_as_the_scalar_table() {
 }
 
 #[test]
+fn the_decode_tile_in_assembly_equals_the_lone_dots_bitwise() {
+    // One input against 10 rows (three tiles of 3 and a tail) at widths that leave every
+    // remainder of the assembly's 4-group passes, and past 128 groups, where a decode's product
+    // is cut into K blocks (the second one short of a pass, or one pass and a remainder).
+    let mut rng = Rng(33);
+    let rows = 10;
+    for groups in [1usize, 3, 4, 5, 8, 11, 131, 135] {
+        let cols = 32 * groups;
+        let packed: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+        let scales: Vec<u8> = (0..rows * groups).map(|i| if i % 11 == 0 { (i % 3) as u8 } else { 90 + (rng.next() % 70) as u8 }).collect();
+        let w = Mxfp4Matrix::new(rows, cols, &packed, &scales).unwrap();
+        let x = permute_for_mxfp4(&(0..cols).map(|_| rng.f32()).collect::<Vec<_>>());
+        let lone: Vec<u32> = (0..rows)
+            .map(|r| {
+                let (p, s) = w.row_bytes(r);
+                dot_mxfp4(Isa::SCALAR, &x, p, s).to_bits()
+            })
+            .collect();
+        for isa in Isa::available() {
+            for (name, matmul) in [("assembly", matmul_mxfp4 as fn(_, &_, &_, _, &mut _)), ("compiled", matmul_mxfp4_without_assembly)] {
+                let mut out = vec![f32::NAN; rows];
+                matmul(isa, &[&x], &w, 0..rows, &mut out);
+                let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(bits, lone, "{isa:?}, {name}, {groups} groups");
+            }
+        }
+    }
+}
+
+#[test]
 fn mxfp4_tiles_equal_each_lone_dot_bitwise() {
     let mut rng = Rng(21);
     // 23 rows leave tails after tiles of 8, 6, 4, 3 and 2 rows; 1312 columns are 41 groups, cut
