@@ -9,6 +9,8 @@
 //! - *Mixes* run those instructions with no dependency between any two of them (each writes a
 //!   register nothing reads; multiplies stand for the FMAs: the same pipes, no chain), so they
 //!   measure what the CPU's pipes and scheduler allow the tile at best.
+//!   The last mix moves the decode's two shifts onto the multiplier: what the pipes would allow
+//!   a tile written that way.
 //! - *Tiles* run `matmul_mxfp4` (the tile in assembly) and `matmul_mxfp4_without_assembly` (the
 //!   compiler's) on one thread over 240 rows of K3's w1 width, which stay in L2.
 //!
@@ -95,6 +97,26 @@ mod x86 {
             )
         };
     }
+    /// The same decode with its two 16-bit shifts of 32-bit words done as multiplies by 65536
+    /// (the same bits), which run on the multiplier instead of a shuffle pipe.
+    macro_rules! decode_multiplying {
+        () => {
+            concat!(
+                "vpshufb ymm0, ymm14, ymm15\n",
+                "vpsllw ymm1, ymm14, 4\n",
+                "vpor ymm2, ymm14, ymm15\n",
+                "vpand ymm3, ymm14, ymm15\n",
+                "vpshufb ymm4, ymm14, ymm15\n",
+                "vpshufb ymm5, ymm14, ymm15\n",
+                "vpunpcklbw ymm6, ymm14, ymm15\n",
+                "vpunpckhbw ymm7, ymm14, ymm15\n",
+                "vpmulld ymm8, ymm14, ymm15\n",
+                "vpand ymm9, ymm14, ymm15\n",
+                "vpmulld ymm10, ymm14, ymm15\n",
+                "vpand ymm11, ymm14, ymm15\n",
+            )
+        };
+    }
     /// Four multiplies in place of the group's FMAs.
     macro_rules! fmas {
         () => {
@@ -137,6 +159,7 @@ mod x86 {
     mix!(decode_and_fmas, decode!(), fmas!(), "/* {m} {x} */");
     mix!(decode_fmas_and_loads, decode!(), fmas!(), loads!(), "/* {x} */");
     mix!(decode_loads_and_fmas_from_memory, decode!(), fmas_from_memory!(), loads!());
+    mix!(multiplying_decode_loads_and_fmas, decode_multiplying!(), fmas_from_memory!(), loads!());
 
     pub fn run() {
         let Some(isa) = Isa::new(IsaKind::Avx2) else {
@@ -156,12 +179,15 @@ mod x86 {
                 black_box(&out);
             }) / (rows * cols / 32) as f64
         };
-        let mut cases: [(&str, &mut dyn FnMut() -> f64); 7] = [
+        let mut cases: [(&str, &mut dyn FnMut() -> f64); 8] = [
             ("mix: decode (12 ops)", &mut || decode_only(&m) / (4 * PASSES) as f64),
             ("mix: 4 FMAs", &mut || fmas_only(&m) / (4 * PASSES) as f64),
             ("mix: decode + 4 FMAs", &mut || decode_and_fmas(&m) / (4 * PASSES) as f64),
             ("mix: decode + 4 FMAs + 3 loads", &mut || decode_fmas_and_loads(&m) / (4 * PASSES) as f64),
             ("mix: decode + 3 loads + 4 FMAs reading the input", &mut || decode_loads_and_fmas_from_memory(&m) / (4 * PASSES) as f64),
+            ("mix: the same, the decode's two 32-bit shifts as multiplies", &mut || {
+                multiplying_decode_loads_and_fmas(&m) / (4 * PASSES) as f64
+            }),
             ("tile in assembly (matmul_mxfp4)", &mut || tile(matmul_mxfp4)),
             ("compiled tile (matmul_mxfp4_without_assembly)", &mut || tile(matmul_mxfp4_without_assembly)),
         ];
