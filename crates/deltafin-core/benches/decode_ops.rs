@@ -78,9 +78,10 @@ mod x86 {
         t / (PASSES * 4 * 12 / 2) as f64
     }
 
-    /// One group's decode: the 12 operations of `decode_group_avx2`, each result unread.
+    /// One group's decode: the 12 operations of `decode_group_avx2`, each result unread, the two
+    /// 16-bit shifts of 32-bit words given (`shifts!` or, the same bits, `multiplies!`).
     macro_rules! decode {
-        () => {
+        ($split:expr) => {
             concat!(
                 "vpshufb ymm0, ymm14, ymm15\n",
                 "vpsllw ymm1, ymm14, 4\n",
@@ -90,31 +91,23 @@ mod x86 {
                 "vpshufb ymm5, ymm14, ymm15\n",
                 "vpunpcklbw ymm6, ymm14, ymm15\n",
                 "vpunpckhbw ymm7, ymm14, ymm15\n",
-                "vpslld ymm8, ymm14, 16\n",
                 "vpand ymm9, ymm14, ymm15\n",
-                "vpslld ymm10, ymm14, 16\n",
                 "vpand ymm11, ymm14, ymm15\n",
+                $split,
             )
         };
     }
-    /// The same decode with its two 16-bit shifts of 32-bit words done as multiplies by 65536
-    /// (the same bits), which run on the multiplier instead of a shuffle pipe.
-    macro_rules! decode_multiplying {
+    /// The decode's two shifts, as `decode_group_avx2` does them.
+    macro_rules! shifts {
         () => {
-            concat!(
-                "vpshufb ymm0, ymm14, ymm15\n",
-                "vpsllw ymm1, ymm14, 4\n",
-                "vpor ymm2, ymm14, ymm15\n",
-                "vpand ymm3, ymm14, ymm15\n",
-                "vpshufb ymm4, ymm14, ymm15\n",
-                "vpshufb ymm5, ymm14, ymm15\n",
-                "vpunpcklbw ymm6, ymm14, ymm15\n",
-                "vpunpckhbw ymm7, ymm14, ymm15\n",
-                "vpmulld ymm8, ymm14, ymm15\n",
-                "vpand ymm9, ymm14, ymm15\n",
-                "vpmulld ymm10, ymm14, ymm15\n",
-                "vpand ymm11, ymm14, ymm15\n",
-            )
+            "vpslld ymm8, ymm14, 16\nvpslld ymm10, ymm14, 16\n"
+        };
+    }
+    /// The same two shifts as multiplies by 65536, which run on the multiplier instead of a
+    /// shuffle pipe.
+    macro_rules! multiplies {
+        () => {
+            "vpmulld ymm8, ymm14, ymm15\nvpmulld ymm10, ymm14, ymm15\n"
         };
     }
     /// Four multiplies in place of the group's FMAs.
@@ -154,12 +147,12 @@ mod x86 {
             }
         };
     }
-    mix!(decode_only, decode!(), "/* {m} {x} */");
+    mix!(decode_only, decode!(shifts!()), "/* {m} {x} */");
     mix!(fmas_only, fmas!(), "/* {m} {x} */");
-    mix!(decode_and_fmas, decode!(), fmas!(), "/* {m} {x} */");
-    mix!(decode_fmas_and_loads, decode!(), fmas!(), loads!(), "/* {x} */");
-    mix!(decode_loads_and_fmas_from_memory, decode!(), fmas_from_memory!(), loads!());
-    mix!(multiplying_decode_loads_and_fmas, decode_multiplying!(), fmas_from_memory!(), loads!());
+    mix!(decode_and_fmas, decode!(shifts!()), fmas!(), "/* {m} {x} */");
+    mix!(decode_fmas_and_loads, decode!(shifts!()), fmas!(), loads!(), "/* {x} */");
+    mix!(decode_loads_and_fmas_from_memory, decode!(shifts!()), fmas_from_memory!(), loads!());
+    mix!(multiplying_decode_loads_and_fmas, decode!(multiplies!()), fmas_from_memory!(), loads!());
 
     pub fn run() {
         let Some(isa) = Isa::new(IsaKind::Avx2) else {
