@@ -27,6 +27,14 @@ pub struct ServeArgs {
     /// connection back.
     #[arg(long, default_value_t = 30)]
     pub body_timeout: u64,
+    /// Seconds a client may take to send a request's line and headers; a connection whose head
+    /// does not arrive in time (or that sits idle between requests as long) is closed.
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout: u64,
+    /// Open connections at most; more get 503 at once. Lowered to fit the process's file limit,
+    /// which is raised to its hard maximum at start, with 256 handles kept for the model's files.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
     /// max_tokens when a request gives none (clamped to what the context has left).
     #[arg(long, default_value_t = 512)]
     pub default_max_tokens: usize,
@@ -77,6 +85,8 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         max_queue: a.max_queue,
         max_body_bytes: a.max_body as usize,
         body_timeout_s: a.body_timeout,
+        header_timeout_s: a.header_timeout,
+        max_connections: connection_cap(a.max_connections),
         default_max_tokens: a.default_max_tokens,
         model_name: name,
         keep_alive_s: a.keep_alive,
@@ -102,4 +112,40 @@ pub fn run_serve(a: ServeArgs) -> Result<()> {
         Ok(model)
     })?;
     Ok(())
+}
+
+/// Handles kept for the model's own files (store packs, spine, cache, logs) whatever the clients do.
+const FILES_FOR_THE_MODEL: u64 = 256;
+
+/// Raises the soft limit on open files to the hard one and fits `wanted` connections under it,
+/// leaving [`FILES_FOR_THE_MODEL`]: clients can then never take the handles the store needs.
+// `rlim_t` is u64 on Linux and macOS but not on every unix.
+#[allow(clippy::unnecessary_cast)]
+fn connection_cap(wanted: usize) -> usize {
+    #[cfg(unix)]
+    {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit/setrlimit with a valid pointer to a local rlimit.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+                if lim.rlim_cur < lim.rlim_max {
+                    let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                        lim.rlim_cur = lim.rlim_max;
+                    }
+                }
+                let room = (lim.rlim_cur as u64).saturating_sub(FILES_FOR_THE_MODEL).max(16);
+                if (wanted as u64) > room {
+                    tracing::warn!(
+                        wanted,
+                        allowed = room,
+                        open_file_limit = lim.rlim_cur as u64,
+                        "--max-connections lowered to fit the open-file limit (raise it with `ulimit -n`)"
+                    );
+                    return room as usize;
+                }
+            }
+        }
+    }
+    wanted.max(1)
 }

@@ -5,11 +5,14 @@
 //! Ordinary encoding never produces a special id, whatever the text contains: control tokens
 //! enter a prompt only through [`crate::ChatFormat`], which inserts them by id.
 
+mod split;
+
 use std::collections::HashMap;
 
 use base64::Engine as _;
 
 use crate::error::{Error, Result};
+use split::Splitter;
 
 /// K3's pre-tokenizer split pattern (the o200k family, with Han runs split out).
 pub const K3_PATTERN: &str = r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -43,12 +46,16 @@ pub const RESERVED: usize = 256;
 
 /// A tiktoken-format byte-level BPE tokenizer with named special tokens.
 pub struct Tokenizer {
-    ranks: HashMap<Vec<u8>, u32>,
+    /// Looked up once or twice per merge: a fast hash (the keys are the fixed vocabulary, so
+    /// text cannot lengthen a probe chain).
+    ranks: rustc_hash::FxHashMap<Vec<u8>, u32>,
     /// Bytes of every BPE id.
     bytes_of: Vec<Vec<u8>>,
     specials: HashMap<String, u32>,
     special_names: HashMap<u32, String>,
-    split: fancy_regex::Regex,
+    split: Splitter,
+    /// The longest BPE token in bytes: no longer span can have a rank.
+    max_token_len: usize,
 }
 
 impl Tokenizer {
@@ -56,7 +63,7 @@ impl Tokenizer {
     /// `tokenizer_config.json` (whose `added_tokens_decoder` names the reserved ids; K3's
     /// defaults are used without it) and a split pattern.
     pub fn from_tiktoken(ranks_text: &str, tokenizer_config: Option<&str>, pattern: &str) -> Result<Tokenizer> {
-        let mut ranks = HashMap::new();
+        let mut ranks = rustc_hash::FxHashMap::default();
         let mut bytes_of: Vec<Vec<u8>> = Vec::new();
         for (lineno, line) in ranks_text.lines().enumerate() {
             if line.trim().is_empty() {
@@ -104,13 +111,19 @@ impl Tokenizer {
             }
         }
         let special_names = specials.iter().map(|(k, v)| (*v, k.clone())).collect();
-        let split = fancy_regex::Regex::new(pattern).map_err(|e| Error::Tokenizer(format!("split pattern: {e}")))?;
-        Ok(Tokenizer { ranks, bytes_of, specials, special_names, split })
+        let split = Splitter::new(pattern)?;
+        let max_token_len = bytes_of.iter().map(Vec::len).max().unwrap_or(1);
+        Ok(Tokenizer { ranks, bytes_of, specials, special_names, split, max_token_len })
     }
 
     /// Number of BPE ranks.
     pub fn bpe_len(&self) -> usize {
         self.bytes_of.len()
+    }
+
+    /// The longest token's bytes: a text of n bytes has at least n / this many tokens.
+    pub fn max_token_len(&self) -> usize {
+        self.max_token_len.max(1)
     }
 
     /// BPE ranks plus specials.
@@ -123,19 +136,32 @@ impl Tokenizer {
         self.specials.get(name).copied()
     }
 
-    /// Encodes text with no special tokens: `<|open|>` in the text is just characters.
+    /// Encodes text with no special tokens: `<|open|>` in the text is just characters. Linear in
+    /// the text's length whatever it holds (a splitter without backtracking, a heap-driven merge).
     pub fn encode_ordinary(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::new();
-        for m in self.split.find_iter(text) {
-            // The pattern has no construct that can fail at runtime on valid UTF-8 except
-            // backtracking limits; fall back to the whole remaining text as one piece.
-            let piece = match m {
-                Ok(m) => m.as_str(),
-                Err(_) => text,
-            };
+        self.split.for_each_piece(text, &mut |piece| {
             self.encode_piece(piece.as_bytes(), &mut out);
-        }
+            true
+        });
         out
+    }
+
+    /// [`Tokenizer::encode_ordinary`] that gives up as soon as the text has more than `max_tokens`
+    /// tokens (`None`), so text too long for a context costs no more than the context's worth of
+    /// work. `Some` holds exactly `encode_ordinary`'s ids.
+    pub fn encode_ordinary_within(&self, text: &str, max_tokens: usize) -> Option<Vec<u32>> {
+        let mut out = Vec::new();
+        // A text with fewer bytes than tokens does not exist: skip the work when even the
+        // longest tokens could not fit it.
+        if text.len() / self.max_token_len.max(1) > max_tokens {
+            return None;
+        }
+        let complete = self.split.for_each_piece(text, &mut |piece| {
+            self.encode_piece(piece.as_bytes(), &mut out);
+            out.len() <= max_tokens
+        });
+        (complete && out.len() <= max_tokens).then_some(out)
     }
 
     /// Encodes text where special spellings (`<|open|>`, `[EOS]`, ...) become their ids. Only for
@@ -169,26 +195,8 @@ impl Tokenizer {
             out.push(r);
             return;
         }
-        // Byte-pair merge: repeatedly join the adjacent pair with the lowest rank.
-        let mut parts: Vec<(usize, usize)> = (0..piece.len()).map(|i| (i, i + 1)).collect();
-        loop {
-            let mut best: Option<(u32, usize)> = None;
-            for i in 0..parts.len().saturating_sub(1) {
-                if let Some(&r) = self.ranks.get(&piece[parts[i].0..parts[i + 1].1]) {
-                    if best.is_none_or(|(br, _)| r < br) {
-                        best = Some((r, i));
-                    }
-                }
-            }
-            match best {
-                Some((_, i)) => {
-                    parts[i].1 = parts[i + 1].1;
-                    parts.remove(i + 1);
-                }
-                None => break,
-            }
-        }
-        out.extend(parts.iter().map(|&(a, b)| self.ranks[&piece[a..b]]));
+        let parts = bpe_merge(piece, self.max_token_len, |span| self.ranks.get(span).copied());
+        out.extend(parts.windows(2).map(|w| self.ranks[&piece[w[0]..w[1]]]));
     }
 
     /// The bytes of one id (a special's spelling for reserved ids; empty if unknown).
@@ -326,6 +334,61 @@ fn byte_level_byte(c: char) -> Option<u8> {
 /// their vocabulary).
 pub fn byte_level_spelling(bytes: &[u8]) -> String {
     bytes.iter().map(|&b| byte_level_chars()[b as usize]).collect()
+}
+
+/// Byte-pair merging of one piece: repeatedly joins the adjacent pair of parts whose joined bytes
+/// have the lowest rank, the leftmost of equal ranks, until no pair has a rank. Returns the parts'
+/// boundaries (`0`, ..., `piece.len()`).
+///
+/// A heap holds every adjacent pair with a rank; a popped pair whose parts have since changed is
+/// stale and skipped. Each merge pushes at most two pairs, so a piece of n bytes costs
+/// O(n log n), where rescanning all pairs after each merge cost O(n^2) (a 30,000-space piece
+/// took seconds). The merge order, and so the result, is exactly the rescanning loop's: the heap's
+/// minimum by (rank, start) is that loop's choice.
+fn bpe_merge(piece: &[u8], max_token_len: usize, rank: impl Fn(&[u8]) -> Option<u32>) -> Vec<usize> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    // Positions as u32 (a piece is at most a request body, far below 4 GiB): a heap entry of 16
+    // bytes, where a megabyte-long piece's heap outgrows the caches and each pop misses them.
+    assert!(piece.len() < u32::MAX as usize, "a piece of {} bytes", piece.len());
+    let n = piece.len() as u32;
+    // Parts are named by their first byte; `end[i]` is where part i ends (0 for a merged-away
+    // part), `prev[i]` the part before it.
+    let mut end: Vec<u32> = (1..=n).collect();
+    let mut prev: Vec<u32> = (0..n).map(|i| i.wrapping_sub(1)).collect();
+    let pair_rank = |a: u32, c: u32| if (c - a) as usize > max_token_len { None } else { rank(&piece[a as usize..c as usize]) };
+    // (rank, left part, where the left part ends, where the right part ends)
+    let mut heap: BinaryHeap<Reverse<(u32, u32, u32, u32)>> =
+        (0..n.saturating_sub(1)).filter_map(|i| pair_rank(i, i + 2).map(|r| Reverse((r, i, i + 1, i + 2)))).collect();
+    while let Some(Reverse((_, i, mid, right_end))) = heap.pop() {
+        // Stale unless part i still ends at `mid` and the part after it still ends at
+        // `right_end` (parts only grow, so equal ends mean equal bytes).
+        if end[i as usize] != mid || end[mid as usize] != right_end {
+            continue;
+        }
+        end[i as usize] = right_end;
+        end[mid as usize] = 0;
+        if right_end < n {
+            prev[right_end as usize] = i;
+            let after = end[right_end as usize];
+            if let Some(r) = pair_rank(i, after) {
+                heap.push(Reverse((r, i, right_end, after)));
+            }
+        }
+        if i > 0 {
+            let p = prev[i as usize];
+            if let Some(r) = pair_rank(p, right_end) {
+                heap.push(Reverse((r, p, i, right_end)));
+            }
+        }
+    }
+    let mut bounds = vec![0];
+    let mut at = 0;
+    while at < n {
+        at = end[at as usize];
+        bounds.push(at as usize);
+    }
+    bounds
 }
 
 #[cfg(test)]

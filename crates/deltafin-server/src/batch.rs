@@ -199,6 +199,8 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
         max_queue: 2 * max_batch,
         max_body_bytes: usize::MAX,
         body_timeout_s: 30,
+        header_timeout_s: 30,
+        max_connections: 1,
         default_max_tokens: cfg.default_max_tokens,
         model_name: cfg.model_name.clone(),
         keep_alive_s: 15,

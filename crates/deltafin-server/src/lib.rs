@@ -9,6 +9,7 @@
 //! the previous one resumes from the kept state (`usage.prompt_tokens_details.cached_tokens`).
 
 mod batch;
+mod listen;
 mod metrics;
 mod output;
 mod request;
@@ -62,6 +63,12 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Seconds a client may take to send its request body (a stalled upload is answered 408).
     pub body_timeout_s: u64,
+    /// Seconds a client may take to send a request's head (request line and headers); an idle
+    /// keep-alive connection is closed after as long.
+    pub header_timeout_s: u64,
+    /// Open connections at most; one more is answered 503 and closed (the process's file handles
+    /// beyond these stay for the store).
+    pub max_connections: usize,
     pub default_max_tokens: usize,
     /// The id `/v1/models` lists.
     pub model_name: String,
@@ -93,6 +100,8 @@ struct AppState {
     counter: AtomicU64,
     /// Distinguishes this process's response ids from those of earlier runs.
     nonce: u64,
+    /// Turns to tokenize a prompt: at most this many blocking threads tokenize at once.
+    tokenizing: tokio::sync::Semaphore,
 }
 
 type Shared = Arc<AppState>;
@@ -109,6 +118,7 @@ impl AppState {
             metrics: Arc::default(),
             counter: AtomicU64::new(0),
             nonce,
+            tokenizing: tokio::sync::Semaphore::new(2),
         })
     }
 }
@@ -146,7 +156,8 @@ pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel,
             }
         }
     };
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await.map_err(ServerError::Serve)?;
+    let limits = listen::Limits { max_connections: cfg.max_connections, header_timeout: Duration::from_secs(cfg.header_timeout_s.max(1)) };
+    listen::serve(listener, router(state), limits, shutdown).await.map_err(ServerError::Serve)?;
     let failed = failed.lock().expect("poisoned").take();
     match failed {
         Some(e) => Err(ServerError::Load(format!("loading the model failed: {e}"))),
@@ -212,22 +223,41 @@ async fn method_not_allowed(State(s): State<Shared>, method: axum::http::Method,
     error(&s, api_error(405, "invalid_request_error", format!("{method} is not allowed on {}", uri.path())))
 }
 
-/// Reads a request body up to the configured size, within the configured time.
-async fn read_body(s: &AppState, body: axum::body::Body) -> Result<Bytes, ApiError> {
+/// Reads a request body up to the configured size, within the configured time. A declared
+/// `Content-Length` over the limit is refused before any of the body is read (so a client that
+/// sent `Expect: 100-continue` gets the 413, not `100 Continue`); a body that breaks off or is
+/// malformed is a 400 saying so, never a 413.
+async fn read_body(s: &AppState, headers: &HeaderMap, body: axum::body::Body) -> Result<Bytes, ApiError> {
     let max = s.cfg.max_body_bytes;
-    let limit = Duration::from_secs(s.cfg.body_timeout_s.max(1));
-    match tokio::time::timeout(limit, axum::body::to_bytes(body, max)).await {
-        Err(_) => Err(api_error(408, "invalid_request_error", format!("the request body did not arrive within {} s", limit.as_secs()))),
-        Ok(Err(_)) => {
-            Err(api_error(413, "invalid_request_error", format!("the request body is larger than {max} bytes (serve --max-body)")))
-        }
-        Ok(Ok(b)) => Ok(b),
+    let too_large = || api_error(413, "invalid_request_error", format!("the request body is larger than {max} bytes (serve --max-body)"));
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(too_large());
     }
+    let limit = Duration::from_secs(s.cfg.body_timeout_s.max(1));
+    let limited = http_body_util::Limited::new(body, max);
+    match tokio::time::timeout(limit, http_body_util::BodyExt::collect(limited)).await {
+        Err(_) => Err(api_error(408, "invalid_request_error", format!("the request body did not arrive within {} s", limit.as_secs()))),
+        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
+        Ok(Err(e)) => Err(api_error(400, "invalid_request_error", format!("the request body could not be read: {e}"))),
+        Ok(Ok(b)) => Ok(b.to_bytes()),
+    }
+}
+
+/// Text from a client made safe for one log line: control characters escaped (a newline in a
+/// field name cannot forge a line) and the length capped.
+fn loggable(text: &str) -> String {
+    const MAX: usize = 300;
+    let mut out: String = text.chars().take(MAX).flat_map(char::escape_debug).collect();
+    if text.chars().nth(MAX).is_some() {
+        out.push_str("...");
+    }
+    out
 }
 
 fn error(state: &AppState, e: ApiError) -> Response {
     state.metrics.status(e.status);
-    tracing::info!(status = e.status, message = %e.message, "request refused");
+    tracing::info!(status = e.status, message = %loggable(&e.message), "request refused");
     let mut r = (StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST), Json(e.body())).into_response();
     if e.status == 429 {
         r.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("5"));
@@ -333,7 +363,7 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
     if let Err(e) = authorize(&s, &headers) {
         return error(&s, e);
     }
-    let body = match read_body(&s, body).await {
+    let body = match read_body(&s, &headers, body).await {
         Ok(b) => b,
         Err(e) => return error(&s, e),
     };
@@ -349,60 +379,20 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         Err(e) => return error(&s, e),
     };
     let model = ready.model.clone();
-    let mut tool_turn: Option<Option<Vec<u32>>> = None;
-    let (prompt, stop_ids) = match &req.prompt {
-        Prompt::Chat { messages, reasoning_effort, tools } => {
-            let fmt = match model.chat() {
-                Ok(f) => f,
-                Err(e) => return error(&s, api_error(500, "server_error", e.to_string())),
-            };
-            let turn_kind = tools.as_ref().map_or(deltafin::ToolTurn::Free, |t| t.choice.clone());
-            let declared = tools.as_ref().map(|t| t.declared.as_str());
-            match fmt.render_with_tools(messages, reasoning_effort.as_deref(), declared, &turn_kind) {
-                Ok(ids) => {
-                    if tools.is_some() {
-                        // A required or named call: the prompt ends inside the opened `tool_call`
-                        // tag, whose text so far the reply parser must know.
-                        let open = model.tokenizer().special("<|open|>");
-                        let prefill = (turn_kind != deltafin::ToolTurn::Free)
-                            .then(|| ids.iter().rposition(|&i| Some(i) == open).map(|at| ids[at + 1..].to_vec()).unwrap_or_default());
-                        tool_turn = Some(prefill);
-                    }
-                    (ids, fmt.stop_ids())
-                }
-                Err(e) => return error(&s, ApiError::bad("messages", e.to_string())),
-            }
-        }
-        Prompt::Text(t) => (model.tokenizer().encode_ordinary(t), model.tokenizer().special("[EOS]").into_iter().collect()),
-        Prompt::Ids(ids) => {
-            let vocab = model.tokenizer().vocab_len();
-            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-                return error(&s, ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary (0..{vocab})")));
-            }
-            (ids.clone(), model.tokenizer().special("[EOS]").into_iter().collect())
-        }
+    // Tokenizing is CPU work of up to a second per megabyte: it runs on a blocking thread, a
+    // few requests at a time, so the async workers keep answering (`/health` included); a
+    // request that goes away while it waits for a turn costs nothing.
+    let Ok(_turn) = s.tokenizing.acquire().await else {
+        return error(&s, api_error(503, "server_error", "the server is shutting down"));
     };
-    let limit = model.new_sequence().context_limit();
-    let prompt_param = if chat { "messages" } else { "prompt" };
-    let mut req = req;
-    if !req.max_tokens_given {
-        // No max_tokens sent: the default, clamped to what the context has left.
-        req.max_tokens = req.max_tokens.min(limit.saturating_sub(prompt.len()));
-        if req.max_tokens == 0 && !req.echo {
-            return error(
-                &s,
-                ApiError::bad(prompt_param, format!("the prompt ({} tokens) fills the context limit of {limit} tokens", prompt.len())),
-            );
-        }
-    } else if prompt.len() + req.max_tokens > limit {
-        return error(
-            &s,
-            ApiError::bad(
-                prompt_param,
-                format!("prompt ({} tokens) + max_tokens ({}) exceed the context limit of {limit} tokens", prompt.len(), req.max_tokens),
-            ),
-        );
-    }
+    let m = model.clone();
+    let built = tokio::task::spawn_blocking(move || build_prompt(&m, req, chat)).await;
+    let (req, prompt, stop_ids, tool_turn) = match built {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return error(&s, e),
+        Err(e) => return error(&s, api_error(500, "server_error", format!("tokenizing the prompt failed: {e}"))),
+    };
+    drop(_turn);
     let (tx, rx) = unbounded_channel();
     let cancel = Cancel::new();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -443,6 +433,80 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
     } else {
         whole_response(s, model, turn, rx, guard).await
     }
+}
+
+/// A request's prompt ids, stop ids and tool-turn state, with `max_tokens` settled against the
+/// context; a prompt that cannot fit is refused before more than a context's worth of text is
+/// tokenized.
+#[allow(clippy::type_complexity)]
+fn build_prompt(
+    model: &LoadedModel,
+    req: Request,
+    chat: bool,
+) -> Result<(Request, Vec<u32>, Vec<u32>, Option<Option<Vec<u32>>>), ApiError> {
+    let limit = model.new_sequence().context_limit();
+    let prompt_param = if chat { "messages" } else { "prompt" };
+    let too_long = || ApiError::bad(prompt_param, format!("the prompt is longer than the context limit of {limit} tokens"));
+    let tok = model.tokenizer();
+    let mut tool_turn: Option<Option<Vec<u32>>> = None;
+    let (prompt, stop_ids) = match &req.prompt {
+        Prompt::Chat { messages, reasoning_effort, tools } => {
+            // Every token holds at most `max_token_len` bytes of text: a conversation with more
+            // text than the context could hold even so is refused without tokenizing it.
+            let text: usize = messages
+                .iter()
+                .map(|m| {
+                    m.content.len()
+                        + m.reasoning.as_ref().map_or(0, String::len)
+                        + m.tool_calls.iter().map(|c| c.arguments.len()).sum::<usize>()
+                })
+                .sum::<usize>()
+                + tools.as_ref().map_or(0, |t| t.declared.len());
+            if text / tok.max_token_len() > limit {
+                return Err(too_long());
+            }
+            let fmt = model.chat().map_err(|e| api_error(500, "server_error", e.to_string()))?;
+            let turn_kind = tools.as_ref().map_or(deltafin::ToolTurn::Free, |t| t.choice.clone());
+            let declared = tools.as_ref().map(|t| t.declared.as_str());
+            let ids = fmt
+                .render_with_tools(messages, reasoning_effort.as_deref(), declared, &turn_kind)
+                .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+            if tools.is_some() {
+                // A required or named call: the prompt ends inside the opened `tool_call`
+                // tag, whose text so far the reply parser must know.
+                let open = tok.special("<|open|>");
+                let prefill = (turn_kind != deltafin::ToolTurn::Free)
+                    .then(|| ids.iter().rposition(|&i| Some(i) == open).map(|at| ids[at + 1..].to_vec()).unwrap_or_default());
+                tool_turn = Some(prefill);
+            }
+            (ids, fmt.stop_ids())
+        }
+        Prompt::Text(t) => (tok.encode_ordinary_within(t, limit).ok_or_else(too_long)?, tok.special("[EOS]").into_iter().collect()),
+        Prompt::Ids(ids) => {
+            let vocab = tok.vocab_len();
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+                return Err(ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary (0..{vocab})")));
+            }
+            (ids.clone(), tok.special("[EOS]").into_iter().collect())
+        }
+    };
+    let mut req = req;
+    if !req.max_tokens_given {
+        // No max_tokens sent: the default, clamped to what the context has left.
+        req.max_tokens = req.max_tokens.min(limit.saturating_sub(prompt.len()));
+        if req.max_tokens == 0 && !req.echo {
+            return Err(ApiError::bad(
+                prompt_param,
+                format!("the prompt ({} tokens) fills the context limit of {limit} tokens", prompt.len()),
+            ));
+        }
+    } else if prompt.len() + req.max_tokens > limit {
+        return Err(ApiError::bad(
+            prompt_param,
+            format!("prompt ({} tokens) + max_tokens ({}) exceed the context limit of {limit} tokens", prompt.len(), req.max_tokens),
+        ));
+    }
+    Ok((req, prompt, stop_ids, tool_turn))
 }
 
 /// The log line of a finished request.

@@ -15,6 +15,16 @@ pub struct ApiError {
     pub kind: &'static str,
 }
 
+/// A client's field name as an error echoes it: control characters escaped and at most 64
+/// characters (a name is the client's text; an error message should not carry a megabyte of it).
+fn echoed_name(name: &str) -> String {
+    let mut out: String = name.chars().take(64).flat_map(char::escape_debug).collect();
+    if name.chars().nth(64).is_some() {
+        out.push_str("...");
+    }
+    out
+}
+
 impl ApiError {
     pub fn bad(param: &str, message: impl Into<String>) -> ApiError {
         let mut message = message.into();
@@ -126,7 +136,8 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
         let known =
             COMMON.contains(&k.as_str()) || if chat { CHAT_ONLY.contains(&k.as_str()) } else { COMPLETION_ONLY.contains(&k.as_str()) };
         if !known {
-            return Err(ApiError::bad(k, format!("unknown field `{k}`: this server refuses what it cannot honor exactly")));
+            let name = echoed_name(k);
+            return Err(ApiError::bad(&name, format!("unknown field `{name}`: this server refuses what it cannot honor exactly")));
         }
     }
     let num = |k: &str| obj.get(k).filter(|v| !v.is_null());
@@ -212,7 +223,7 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
         Some(o) => {
             let o = o.as_object().ok_or_else(|| ApiError::bad("stream_options", "`stream_options` must be an object"))?;
             if let Some(k) = o.keys().find(|k| *k != "include_usage") {
-                return Err(ApiError::bad("stream_options", format!("unknown field `stream_options.{k}`")));
+                return Err(ApiError::bad("stream_options", format!("unknown field `stream_options.{}`", echoed_name(k))));
             }
             if !stream {
                 return Err(ApiError::bad("stream_options", "`stream_options` needs `stream: true`"));

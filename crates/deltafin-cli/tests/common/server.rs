@@ -61,7 +61,29 @@ impl Server {
         body: Option<&[u8]>,
         headers: &[(&str, &str)],
     ) -> std::io::Result<(u16, String, String)> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
+        request_to(self.port, method, path, body, headers)
+    }
+
+    pub fn post(&self, path: &str, body: &Value) -> (u16, String, String) {
+        self.request("POST", path, Some(body.to_string().as_bytes()), &[]).unwrap()
+    }
+
+    pub fn json(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (st, _, b) = self.post(path, body);
+        (st, serde_json::from_str(&b).unwrap_or_else(|e| panic!("{e}: {b}")))
+    }
+}
+
+/// A minimal HTTP/1.1 exchange with the server on `port`: (status, headers, body).
+pub fn request_to(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    headers: &[(&str, &str)],
+) -> std::io::Result<(u16, String, String)> {
+    {
+        let mut s = TcpStream::connect(("127.0.0.1", port))?;
         s.set_read_timeout(Some(Duration::from_secs(60)))?;
         let body = body.unwrap_or(b"");
         let mut req = format!(
@@ -81,15 +103,6 @@ impl Server {
         let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
         let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_string() };
         Ok((status, head.to_string(), body))
-    }
-
-    pub fn post(&self, path: &str, body: &Value) -> (u16, String, String) {
-        self.request("POST", path, Some(body.to_string().as_bytes()), &[]).unwrap()
-    }
-
-    pub fn json(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (st, _, b) = self.post(path, body);
-        (st, serde_json::from_str(&b).unwrap_or_else(|e| panic!("{e}: {b}")))
     }
 }
 

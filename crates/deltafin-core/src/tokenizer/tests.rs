@@ -1,4 +1,6 @@
-//! Tokenizer: the fixture's cases, and the real o200k rank file against tiktoken-rs.
+//! Tokenizer: the fixture's cases, the real o200k rank file against tiktoken-rs, the linear
+//! splitter and heap merge against the backtracking pattern and the rescanning merge, and texts
+//! that once never returned.
 
 use super::*;
 
@@ -119,4 +121,147 @@ fn hf_tokenizer_json_loads() {
     assert_eq!(t.encode("hello world").unwrap(), vec![0, 1]);
     assert_eq!(t.vocab_len(), 3);
     assert!(HfTokenizer::from_json_bytes(b"{}").is_err());
+}
+
+/// The merge as it was first written (rescan every pair after each merge): the heap-driven
+/// [`bpe_merge`] must give the same parts.
+fn rescanning_merge(piece: &[u8], rank: impl Fn(&[u8]) -> Option<u32>) -> Vec<usize> {
+    let mut parts: Vec<(usize, usize)> = (0..piece.len()).map(|i| (i, i + 1)).collect();
+    loop {
+        let mut best: Option<(u32, usize)> = None;
+        for i in 0..parts.len().saturating_sub(1) {
+            if let Some(r) = rank(&piece[parts[i].0..parts[i + 1].1]) {
+                if best.is_none_or(|(br, _)| r < br) {
+                    best = Some((r, i));
+                }
+            }
+        }
+        let Some((_, i)) = best else { break };
+        parts[i].1 = parts[i + 1].1;
+        parts.remove(i + 1);
+    }
+    std::iter::once(0).chain(parts.iter().map(|p| p.1)).collect()
+}
+
+/// A small deterministic generator for the random cases (no dependency for it).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Characters that exercise every alternative of the split patterns: spaces of several kinds and
+/// line breaks (the lookahead), letters of every case class, marks, Han, digits, apostrophes.
+const TRICKY: &[char] = &[
+    ' ', ' ', ' ', '\t', '\n', '\r', '\u{a0}', '\u{3000}', 'a', 'b', 's', 'T', 'X', 'é', 'Ǆ', 'ǅ', '\u{301}', '日', '本', '1', '2', '3',
+    '.', ',', '\'', '/', '(', '🙂', 'ß', 'Ω',
+];
+
+fn random_text(rng: &mut Lcg, len: usize) -> String {
+    (0..len).map(|_| TRICKY[rng.below(TRICKY.len())]).collect()
+}
+
+#[test]
+fn heap_merge_equals_the_rescanning_merge() {
+    let tok = Tokenizer::from_tiktoken(RANKS, Some(TOKCFG), K3_PATTERN).unwrap();
+    let rank = |s: &[u8]| tok.ranks.get(s).copied();
+    let mut rng = Lcg(7);
+    let words = ["the", "ing", "  ", "ab", "é", "tion", " a", "aaaa", "\n\n"];
+    for case in 0..400 {
+        let piece: String = (0..1 + rng.below(40)).map(|_| words[rng.below(words.len())]).collect();
+        let piece = if case % 3 == 0 {
+            {
+                let n = 1 + rng.below(30);
+                random_text(&mut rng, n)
+            }
+        } else {
+            piece
+        };
+        let p = piece.as_bytes();
+        assert_eq!(bpe_merge(p, tok.max_token_len, rank), rescanning_merge(p, rank), "{piece:?}");
+    }
+}
+
+#[test]
+fn linear_splitter_cuts_where_the_backtracking_pattern_does() {
+    for pattern in [K3_PATTERN, tiktoken_rs::O200K_BASE_PAT_STR] {
+        let linear = split::Splitter::new(pattern).unwrap();
+        assert!(matches!(linear, split::Splitter::Linear(_)), "tiktoken's patterns take the linear splitter");
+        let backtracking = split::Splitter::Backtracking(fancy_regex::Regex::new(pattern).unwrap());
+        let pieces = |s: &split::Splitter, text: &str| {
+            let mut v = Vec::new();
+            assert!(s.for_each_piece(text, &mut |p| {
+                v.push(p.to_string());
+                true
+            }));
+            v
+        };
+        let mut rng = Lcg(11);
+        for _ in 0..3000 {
+            let n = rng.below(48);
+            let text = random_text(&mut rng, n);
+            assert_eq!(pieces(&linear, &text), pieces(&backtracking, &text), "{text:?}");
+        }
+    }
+}
+
+#[test]
+fn random_text_matches_tiktoken_rs() {
+    let text = std::fs::read_to_string(o200k_file()).unwrap();
+    let ours = Tokenizer::from_tiktoken(&text, None, tiktoken_rs::O200K_BASE_PAT_STR).unwrap();
+    let theirs = tiktoken_rs::o200k_base().unwrap();
+    let mut rng = Lcg(3);
+    for _ in 0..1500 {
+        let n = rng.below(64);
+        let s = random_text(&mut rng, n);
+        let want: Vec<u32> = theirs.encode_ordinary(&s).into_iter().collect();
+        assert_eq!(ours.encode_ordinary(&s), want, "{s:?}");
+    }
+}
+
+/// Texts that once never returned (1 MB of one letter: the splitter's backtrack limit, then the
+/// same error forever) or took seconds to hours (one long piece merged by rescanning). Each must
+/// come back and round-trip; the time is the tokenizer bench's, and the deadline here only turns
+/// a hang into a failure.
+#[test]
+fn pathological_texts_encode_and_round_trip() {
+    let mut rng = Lcg(5);
+    let random_bytes: Vec<u8> = (0..1_000_000).map(|_| rng.next() as u8).collect();
+    let texts = vec![
+        "a".repeat(1_000_000),
+        "é".repeat(500_000),
+        "ab".repeat(500_000),
+        " ".repeat(30_001) + "x",
+        " ".repeat(1_000_000) + "x",
+        String::from_utf8_lossy(&random_bytes).into_owned(),
+    ];
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let tok = Tokenizer::from_tiktoken(RANKS, Some(TOKCFG), K3_PATTERN).unwrap();
+        for t in texts {
+            let ids = tok.encode_ordinary(&t);
+            let _ = tx.send((tok.decode(&ids) == t, ids.len(), t.len()));
+        }
+    });
+    for _ in 0..6 {
+        let (same, ids, bytes) = rx.recv_timeout(std::time::Duration::from_secs(120)).expect("tokenizing a 1 MB text did not return");
+        assert!(same, "a text of {bytes} bytes did not round-trip");
+        assert!(ids > 0 && ids <= bytes);
+    }
+}
+
+#[test]
+fn encoding_within_a_limit_stops_past_it() {
+    let tok = Tokenizer::from_tiktoken(RANKS, Some(TOKCFG), K3_PATTERN).unwrap();
+    let text = "the quick brown fox jumps over the lazy dog ".repeat(50);
+    let all = tok.encode_ordinary(&text);
+    assert_eq!(tok.encode_ordinary_within(&text, all.len()), Some(all.clone()));
+    assert_eq!(tok.encode_ordinary_within(&text, all.len() - 1), None);
+    // Far too long for the limit: refused before any merge runs.
+    assert_eq!(tok.encode_ordinary_within(&"x".repeat(10_000_000), 100), None);
 }
