@@ -33,6 +33,12 @@ pub struct Faults {
     /// Files served with the byte at this offset flipped (their published SHA-256 is of the
     /// true bytes).
     pub corrupt: HashMap<String, u64>,
+    /// Files whose 16 bytes from this offset are served flipped in the next N responses that
+    /// cover them (corruption in transit: the bytes are right again afterwards).
+    pub corrupt_once: HashMap<String, (u64, u32)>,
+    /// Answer every range request with `200` and the whole file, as RFC 9110 allows a server
+    /// that does not do ranges.
+    pub ignore_range: bool,
     /// Bytes per second per connection (0: unlimited): the hub throttles each connection.
     pub rate: u64,
     /// Bytes per second over all connections together (0: unlimited): the user's link. Time
@@ -275,6 +281,17 @@ fn handle(s: &Shared, c: &mut TcpStream, req: &Request) -> std::io::Result<bool>
     }
     let f = std::fs::File::open(s.root.join(file))?;
     let corrupt_at = faults.corrupt.get(file).copied();
+    // A transient corruption applies to this response if it covers the bytes, and is used up.
+    let flip_once = {
+        let mut g = s.faults.lock().expect("poisoned");
+        match g.corrupt_once.get_mut(file) {
+            Some((at, n)) if *n > 0 && (a..=b).contains(at) => {
+                *n -= 1;
+                Some(*at)
+            }
+            _ => None,
+        }
+    };
     // Bytes `from..from + len` of the file as served (a planted corrupt byte flipped). Read as
     // they are sent, like a CDN streaming from its store: reading a whole 64 MiB range before
     // the first byte would idle the link between requests, which no real hub does.
@@ -284,10 +301,17 @@ fn handle(s: &Shared, c: &mut TcpStream, req: &Request) -> std::io::Result<bool>
         if let Some(at) = corrupt_at.filter(|&at| (from..from + len as u64).contains(&at)) {
             bytes[(at - from) as usize] ^= 0x10;
         }
+        if let Some(at) = flip_once {
+            for i in at..at + 16 {
+                if (from..from + len as u64).contains(&i) {
+                    bytes[(i - from) as usize] ^= 0x5a;
+                }
+            }
+        }
         Ok(bytes)
     };
     let total = (b - a + 1) as usize;
-    if take(&mut |f| &mut f.full_200) {
+    if faults.ignore_range || take(&mut |f| &mut f.full_200) {
         respond(c, "200 OK", &[], &read(0, size as usize)?)?;
         return Ok(true);
     }

@@ -1,7 +1,11 @@
 //! Stream install against a loopback hub (`xtask::hub_emulator`) serving the tiny fixture in the
 //! hub's URL layout: every run gives the ids of a full install or a clear error through dropped
 //! bodies, wrong ranges, 200s, 5xx, 429s and stalls; no byte that fails the hub's hash is used;
-//! a killed setup resumes; the disk budget holds.
+//! a killed setup resumes; the disk budget holds. Issue 46: bytes corrupted once in transit in a
+//! spine tensor or an expert of a large shard are never computed with silently: runs count the
+//! bytes no published hash has covered yet, `--verified-only` checks every shard first and
+//! repairs what was corrupted, completing a shard repairs it too, naming the part; a hub that
+//! ignores `Range` still serves a store.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -33,16 +37,23 @@ fn prompt() -> Vec<u32> {
 }
 
 fn ids(model: &Path, budget: Option<u64>) -> Result<Vec<u32>, String> {
-    let m = EngineBuilder::new(model).ram_budget(budget).open().map_err(|e| e.to_string())?;
+    generate(model, budget, false).map(|(ids, _)| ids)
+}
+
+/// The ids of an 8-token generation and the bytes it computed with that no published hash had
+/// covered, opened with `--verified-only` or not.
+fn generate(model: &Path, budget: Option<u64>, verified_only: bool) -> Result<(Vec<u32>, u64), String> {
+    let m = EngineBuilder::new(model).ram_budget(budget).verified_only(verified_only).open().map_err(|e| e.to_string())?;
     let mut seq = m.new_sequence();
     let mut out = Vec::new();
-    m.engine()
+    let stats = m
+        .engine()
         .generate(&mut seq, &prompt(), &GenerateOptions::new(8), |t| {
             out.push(t);
             true
         })
         .map_err(|e| e.to_string())?;
-    Ok(out)
+    Ok((out, stats.unverified_bytes))
 }
 
 /// Options for `hub` with quick retries and a short stall limit.
@@ -301,4 +312,109 @@ fn a_stream_cache_spreads_over_its_homes() {
     let before = hub.stats().range_requests.load(Relaxed);
     assert_eq!(ids(&store, Some(64 << 20)).unwrap(), want);
     assert_eq!(hub.stats().range_requests.load(Relaxed), before, "a filled store fetched");
+}
+
+/// The shard the integrity tests corrupt (it holds spine tensors and experts).
+const STREAMED_SHARD: &str = "model-00001-of-000004.safetensors";
+
+/// The offset of a spine tensor of [`STREAMED_SHARD`] that every token uses (layer 0's attention).
+fn spine_offset() -> (String, u64) {
+    let ckpt = deltafin_store::Checkpoint::open(&fixture()).unwrap();
+    let name = ckpt
+        .tensors()
+        .iter()
+        .filter(|(n, t)| t.shard == 0 && n.contains("layers.0.self_attn") && n.ends_with("proj.weight") && t.len >= 4096)
+        .map(|(n, _)| n.clone())
+        .min()
+        .expect("a projection of layer 0 in the first shard");
+    let t = &ckpt.tensors()[&name];
+    (name, t.offset + t.len / 2)
+}
+
+#[test]
+fn spine_bytes_corrupted_in_transit_are_counted_then_verified_and_repaired() {
+    let want = ids(&fixture(), None).unwrap();
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    let (tensor, at) = spine_offset();
+    hub.faults(|f| {
+        f.corrupt_once.insert(STREAMED_SHARD.into(), (at, 1));
+    });
+    setup_stream(&options(&hub, &store, 0), &NoProgress).unwrap();
+    let skeleton = store.join(deltafin_store::HUB_DIR).join(STREAMED_SHARD);
+    let byte_at = |p: &Path| std::fs::read(p).unwrap()[at as usize..at as usize + 16].to_vec();
+    assert_ne!(byte_at(&skeleton), byte_at(&fixture().join(STREAMED_SHARD)), "the corruption landed in the skeleton");
+    // A plain run computes with the unchecked skeleton: whatever its ids, it says so.
+    if let Ok((_, unverified)) = generate(&store, None, false) {
+        assert!(unverified > 0, "a run on a store with unchecked shards reports the bytes it used");
+    }
+    // --verified-only checks every shard first: the mismatch is found, the shard fetched again,
+    // the tensor repaired in the skeleton, and only then does the engine compute.
+    let (ids, unverified) = generate(&store, None, true).unwrap();
+    assert_eq!(ids, want, "{tensor} repaired before use");
+    assert_eq!(unverified, 0);
+    assert_eq!(byte_at(&skeleton), byte_at(&fixture().join(STREAMED_SHARD)), "{tensor} repaired in the skeleton");
+    // From now on a plain run is verified too, and stays so with the hub gone.
+    drop(hub);
+    let (ids, unverified) = generate(&store, None, false).unwrap();
+    assert_eq!((ids, unverified), (want, 0));
+}
+
+#[test]
+fn an_expert_corrupted_in_transit_is_named_and_repaired_when_its_shard_completes() {
+    let want = ids(&fixture(), None).unwrap();
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    setup_stream(&options(&hub, &store, 0), &NoProgress).unwrap();
+    hub.faults(|f| {
+        f.corrupt_once.insert(STREAMED_SHARD.into(), (inside_an_expert(STREAMED_SHARD), 1));
+    });
+    // The first fill fetches the bad bytes, completes the shard, finds the mismatch, fetches the
+    // shard again and repairs the expert; it fails naming it.
+    let cache = deltafin_store::Store::open(&store).unwrap().hub_cache().unwrap();
+    let err = cache.fill(&NoProgress).unwrap_err().to_string();
+    assert!(err.contains("the expert at offset") && err.contains(STREAMED_SHARD) && err.contains("corrupted in transit"), "{err}");
+    drop(cache);
+    let (ids, unverified) = generate(&store, None, false).unwrap();
+    assert_eq!((ids, unverified), (want.clone(), 0), "repaired and verified");
+    // A cached expert damaged on disk after the check is caught against the recorded xxh3 and
+    // fetched again.
+    let cache_dir = store.join(deltafin_store::CACHE_DIR).join(STREAMED_SHARD);
+    let victim = std::fs::read_dir(&cache_dir).unwrap().next().unwrap().unwrap().path();
+    let mut bytes = std::fs::read(&victim).unwrap();
+    bytes[10] ^= 1;
+    std::fs::write(&victim, bytes).unwrap();
+    assert_eq!(generate(&store, None, false).unwrap(), (want, 0));
+}
+
+#[test]
+fn a_store_under_a_disk_budget_is_verified_by_streaming_its_shards() {
+    let want = ids(&fixture(), None).unwrap();
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    let mut o = options(&hub, &store, 0);
+    // Far below a shard: no shard ever completes on disk.
+    o.disk_budget = Some(1 << 20);
+    setup_stream(&o, &NoProgress).unwrap();
+    let (ids, unverified) = generate(&store, None, false).unwrap();
+    assert_eq!(ids, want);
+    assert!(unverified > 0);
+    let (ids, unverified) = generate(&store, None, true).unwrap();
+    assert_eq!((ids, unverified), (want, 0), "checked by streaming, within the disk budget");
+    let on_disk: u64 = walk(&store.join(deltafin_store::CACHE_DIR)).iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
+    assert!(on_disk <= 1 << 20, "the check kept {on_disk} bytes, over the 1 MiB disk budget");
+}
+
+#[test]
+fn a_hub_that_ignores_range_still_serves_a_store() {
+    let want = ids(&fixture(), None).unwrap();
+    let hub = HubEmulator::start(&fixture(), REPO).unwrap();
+    hub.faults(|f| f.ignore_range = true);
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("s");
+    setup_stream(&options(&hub, &store, 0), &NoProgress).unwrap();
+    assert_eq!(generate(&store, None, true).unwrap(), (want, 0));
 }

@@ -51,6 +51,12 @@ pub struct ModelArgs {
     /// budget is reached (no effect on output).
     #[arg(long)]
     pub fill: bool,
+    /// With a stream store: compute only with bytes the hub's SHA-256 has covered. Shards not
+    /// checked yet are checked first, fetching what is not cached (one pass over the whole model
+    /// the first time), and bytes corrupted in transit are repaired; what cannot be checked is an
+    /// error. Without it, runs on a partly fetched store say how many bytes were not covered yet.
+    #[arg(long)]
+    pub verified_only: bool,
     /// Draft tokens for K3 to verify (speculative decoding; the output is identical): `ngram`
     /// (prompt lookup over the text so far), the folder of a Qwen3 draft model (Hugging Face
     /// layout: config.json, safetensors, tokenizer.json), or `auto` (the model's `draft/`
@@ -105,6 +111,7 @@ impl ModelArgs {
             .cache_policy(if self.cache_policy == "lru" { deltafin::CachePolicy::Lru } else { deltafin::CachePolicy::NextUse })
             .draft(self.draft.clone())
             .background_fill(self.fill)
+            .verified_only(self.verified_only)
             .progress(std::sync::Arc::new(crate::store_cmds::Bars::new()))
             .open()
             .with_context(|| format!("opening model {}", self.model.display()))
@@ -212,6 +219,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     if let Err(e) = model.save_heat() {
         eprintln!("warning: expert heat not saved ({e}); --pin will not learn from this run");
+    }
+    if let (false, Some(w)) = (a.stats, stats.unverified_warning()) {
+        eprintln!("{w}");
     }
     if a.stats {
         if let Some(p) = model.memory_plan() {

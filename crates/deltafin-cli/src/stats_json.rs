@@ -14,6 +14,7 @@ pub fn stats_json(s: &Stats) -> Value {
         "total_s": s.total_s,
         "expert_bytes_read": s.expert_bytes_read,
         "spine_bytes_read": s.spine_bytes_read,
+        "unverified_bytes": s.unverified_bytes,
         "expert_bytes_read_prefill": s.expert_bytes_read_prefill,
         "expert_bytes_distinct_prefill": s.expert_bytes_distinct_prefill,
         "bytes_per_token": s.bytes_per_token,

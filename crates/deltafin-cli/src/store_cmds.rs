@@ -295,6 +295,15 @@ pub fn run_doctor(a: DoctorArgs) -> Result<()> {
                 bytes as f64 / 1e6
             );
         }
+        if !r.unverified_shards.is_empty() {
+            eprintln!(
+                "stream store: {} shard(s) not yet checked against the hub's SHA-256 ({}): their bytes are trusted on transport \
+                 checks alone; `deltafin doctor --repair --model {}` (or a run with --verified-only) fetches what is missing to check them",
+                r.unverified_shards.len(),
+                r.unverified_shards.join(", "),
+                a.model.display()
+            );
+        }
         return Ok(());
     }
     for p in &r.problems {

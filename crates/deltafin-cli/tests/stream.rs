@@ -141,3 +141,60 @@ fn killed_setup_and_run_resume_and_warm_fetches_what_a_workload_routes() {
     let o = bin().args(["warm", "--model"]).arg(&full).arg("--prompts").arg(&prompts).output().unwrap();
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("not a stream store"));
 }
+
+/// Issue 46: a spine tensor corrupted once in transit. Runs say they computed with unchecked
+/// bytes; `doctor --verify` on the healthy-looking store lists the unchecked shards without false
+/// problems (no `inplace-L00x.json: sidecar missing`); `doctor --repair` checks every shard against
+/// the hub's SHA-256 and repairs the tensor; afterwards runs print the reference ids, verified.
+#[test]
+fn a_spine_tensor_corrupted_in_transit_is_reported_and_repaired_by_doctor() {
+    let shard = "model-00001-of-000004.safetensors";
+    let ckpt = deltafin_store::Checkpoint::open(&fixture()).unwrap();
+    let t = ckpt
+        .tensors()
+        .iter()
+        .filter(|(n, t)| t.shard == 0 && n.contains("layers.0.self_attn") && n.ends_with("proj.weight") && t.len >= 4096)
+        .min_by_key(|(n, _)| n.to_string())
+        .map(|(_, t)| t.clone())
+        .unwrap();
+    let hub = HubEmulator::start(&fixture(), "moonshotai/Kimi-K3-tiny").unwrap();
+    hub.faults(|f| {
+        f.corrupt_once.insert(shard.into(), (t.offset + t.len / 2, 1));
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let with_hub = |c: &mut std::process::Command| {
+        c.env("HF_ENDPOINT", &hub.endpoint).env_remove("HF_TOKEN").env_remove("HF_HUB_OFFLINE");
+    };
+    let mut c = bin();
+    c.args(["setup", "--stream", "--from", "hf://moonshotai/Kimi-K3-tiny", "--whole-shard-max", "0", "--out"]).arg(&store);
+    with_hub(&mut c);
+    ok(&mut c);
+    let run = |extra: &[&str]| {
+        let mut c = bin();
+        c.args(["run", "--model"]).arg(&store).args(["--ids", PROMPT_IDS, "--max-new", "16", "--print-ids"]).args(extra);
+        with_hub(&mut c);
+        c.output().unwrap()
+    };
+    let o = run(&[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() || err.contains("hub's SHA-256 has not covered yet"), "an unchecked run says so: {err}");
+    let mut c = bin();
+    c.args(["doctor", "--verify", "--model"]).arg(&store);
+    with_hub(&mut c);
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("sidecar missing"), "{err}");
+    assert!(err.contains("not yet checked against the hub's SHA-256") && err.contains(shard), "{err}");
+    let mut c = bin();
+    c.args(["doctor", "--repair", "--model"]).arg(&store);
+    with_hub(&mut c);
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("repaired before use") && err.contains("spine tensor"), "{err}");
+    assert!(!err.contains("not yet checked"), "every shard checked: {err}");
+    let o = run(&[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("not covered yet"), "{err}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), REFERENCE_GREEDY);
+}

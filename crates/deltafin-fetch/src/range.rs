@@ -1,7 +1,10 @@
 //! One byte range of one file, exactly: redirects followed by hand (the signed URL they end at
 //! is reused until it expires or is refused), retries with backoff and jitter, `Retry-After`
 //! honoured, a body that stops resumed where it stopped, and nothing accepted but a `206` whose
-//! `Content-Range` and length are the ones asked for.
+//! `Content-Range` and length are the ones asked for, or a `200` with the whole file (RFC 9110
+//! lets a server ignore `Range`) read up to the range and through it when the range starts within
+//! [`IGNORED_RANGE_SKIP_MAX`] bytes; further in, such a server is refused with an error that says
+//! so. Callers check what they fetched against the hub's hashes either way.
 
 use std::hash::{BuildHasher, Hasher};
 use std::io::Read;
@@ -13,6 +16,10 @@ use crate::hub::{Hub, Priority};
 /// The smallest part [`Hub::fetch_range_split`] makes: below it a request's round trip costs
 /// more than the throttle saves.
 pub const SPLIT_MIN: usize = 1 << 20;
+
+/// From a server that ignores `Range`, at most this many bytes before the range are read and
+/// dropped to reach it (a resumed small file, a header); an expert deep in a shard is refused.
+pub const IGNORED_RANGE_SKIP_MAX: u64 = 64 << 20;
 
 /// How hard to try.
 #[derive(Clone, Copy, Debug)]
@@ -202,21 +209,58 @@ impl Hub {
                 self.signed.lock().expect("poisoned").insert(file.to_string(), (absolute(&url, loc), Instant::now()));
                 return Err(Attempt::Again);
             }
-            if status != 206 {
-                return Err(Attempt::Retry(format!("{url} answered {status} to a range request, not 206"), None));
-            }
-            let want_range = format!("bytes {start}-{end}/");
-            match resp.header("Content-Range") {
-                Some(cr) if cr.starts_with(&want_range) => {}
-                other => return Err(Attempt::Retry(format!("{url}: Content-Range {other:?}, asked for {want_range}*"), None)),
-            }
             let want_len = end - start + 1;
-            match resp.header("Content-Length").map(|v| v.trim().parse::<u64>()) {
-                Some(Ok(n)) if n == want_len => {}
-                None => {}
-                other => return Err(Attempt::Retry(format!("{url}: Content-Length {other:?}, asked for {want_len}"), None)),
-            }
+            let length = resp.header("Content-Length").map(|v| v.trim().parse::<u64>());
+            // Bytes of the body before the range: none in a 206, `start` in a whole file.
+            let skip = match status {
+                206 => {
+                    let want_range = format!("bytes {start}-{end}/");
+                    match resp.header("Content-Range") {
+                        Some(cr) if cr.starts_with(&want_range) => {}
+                        other => return Err(Attempt::Retry(format!("{url}: Content-Range {other:?}, asked for {want_range}*"), None)),
+                    }
+                    match length {
+                        Some(Ok(n)) if n == want_len => {}
+                        None => {}
+                        other => return Err(Attempt::Retry(format!("{url}: Content-Length {other:?}, asked for {want_len}"), None)),
+                    }
+                    0
+                }
+                200 => {
+                    if start > IGNORED_RANGE_SKIP_MAX {
+                        return Err(Attempt::Fail(Error::Protocol {
+                            url: url.clone(),
+                            why: format!(
+                                "this server ignores Range requests (it answered 200 with the whole file to `bytes={start}-{end}`), \
+                                 and reading {start} bytes to reach the range for every expert is not workable: stream from a hub \
+                                 that honours Range (HF_ENDPOINT), or download the checkpoint and use `setup --full`"
+                            ),
+                        }));
+                    }
+                    match length {
+                        Some(Ok(n)) if n > end => {}
+                        None => {}
+                        other => {
+                            return Err(Attempt::Retry(
+                                format!("{url}: a whole-file 200 of Content-Length {other:?} cannot hold bytes {start}-{end}"),
+                                None,
+                            ))
+                        }
+                    }
+                    start
+                }
+                _ => return Err(Attempt::Retry(format!("{url} answered {status} to a range request, not 206"), None)),
+            };
             let mut body = resp.into_reader();
+            if skip > 0 {
+                let skipped = std::io::copy(&mut (&mut body).take(skip), &mut std::io::sink()).unwrap_or(0);
+                if skipped < skip {
+                    return Err(Attempt::Retry(
+                        format!("{url}: a whole-file 200 ended after {skipped} bytes, before the range at {start}"),
+                        None,
+                    ));
+                }
+            }
             let before = got;
             let mut cut = None;
             while got < total {

@@ -425,6 +425,7 @@ impl Engine {
         stats.prefetch_wasted_bytes = end.prefetch_wasted_bytes - before.prefetch_wasted_bytes;
         stats.decode_read_busy_s = end.per_home.iter().zip(&after_prefill.per_home).map(|(e, p)| e.busy_s - p.busy_s).fold(0.0, f64::max);
         stats.per_drive = end.per_home;
+        stats.unverified_bytes = end.unverified_bytes;
         stats.peak_rss_bytes = peak_rss_bytes();
         Ok(stats)
     }

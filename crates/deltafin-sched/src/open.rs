@@ -43,6 +43,7 @@ pub struct EngineBuilder {
     kept_states: usize,
     progress: ProgressSink,
     background_fill: bool,
+    verified_only: bool,
 }
 
 /// Where long work at open reports (opaque in `Debug`).
@@ -92,7 +93,15 @@ impl EngineBuilder {
             kept_states: 1,
             progress: ProgressSink(Arc::new(deltafin_store::NoProgress)),
             background_fill: false,
+            verified_only: false,
         }
+    }
+    /// With a stream store: compute only with bytes the hub's SHA-256 has covered. Opening checks
+    /// every large shard not checked yet, fetching what is not cached (and repairing what was
+    /// corrupted in transit), or fails saying what cannot be checked.
+    pub fn verified_only(mut self, on: bool) -> Self {
+        self.verified_only = on;
+        self
     }
     /// With a stream store: fetch the experts it has not cached in the background while the
     /// engine runs, with spare bandwidth (demand fetches go first), until it is full or its disk
@@ -252,6 +261,9 @@ impl EngineBuilder {
 
     fn open_store(mut self) -> Result<LoadedModel> {
         let mut store = Store::open(&self.path)?;
+        if self.verified_only {
+            store.verify_streamed(self.progress.0.as_ref())?;
+        }
         let cfg = store.config().clone();
         // The tokenizer and the draft model first: the draft's memory comes out of the budget.
         let (ranks, tok_config) = store.tokenizer_texts()?;

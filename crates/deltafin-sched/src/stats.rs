@@ -63,9 +63,22 @@ pub struct Stats {
     pub draft_s: f64,
     /// Verify steps the cost gate ran as probes (drafting was off or not worth it).
     pub draft_probes: u64,
+    /// Bytes this model's engine has computed with (spine and experts, since it opened) that no
+    /// published hash has covered yet: a stream store's large shards before they are checked.
+    pub unverified_bytes: u64,
 }
 
 impl Stats {
+    /// The line a run prints when it computed with bytes no published hash has covered yet.
+    pub fn unverified_warning(&self) -> Option<String> {
+        (self.unverified_bytes > 0).then(|| {
+            format!(
+                "warning: computed with {:.1} MB of a stream store's bytes that the hub's SHA-256 has not covered yet (their shards \
+                 are not complete): run with --verified-only to check them first, or --fill to complete them",
+                self.unverified_bytes as f64 / 1e6
+            )
+        })
+    }
     /// Accepted / drafted tokens (0 without drafts).
     pub fn acceptance_rate(&self) -> f64 {
         if self.drafted == 0 {
@@ -116,6 +129,9 @@ impl Stats {
             mb(self.prefetch_wasted_bytes),
             mb(self.peak_rss_bytes),
         );
+        if let Some(w) = self.unverified_warning() {
+            s.push_str(&format!("\n{w}"));
+        }
         if self.spine_bytes_read > 0 {
             s.push_str(&format!("\nspine read {:.1} MB (layers the budget streams)", mb(self.spine_bytes_read)));
         }

@@ -25,6 +25,9 @@ pub struct DoctorReport {
     pub advice: String,
     /// A stream store's cache: experts cached, experts fetched on use, bytes cached.
     pub stream_cache: Option<(usize, usize, u64)>,
+    /// A stream store's large shards not yet checked against the hub's SHA-256 (not a problem:
+    /// their bytes are trusted on transport checks alone until they are).
+    pub unverified_shards: Vec<String>,
 }
 
 impl DoctorReport {
@@ -138,6 +141,7 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
                 Ok(cache) => {
                     let (bytes, n) = cache.cached();
                     r.stream_cache = Some((n, m.experts.iter().filter(|e| e.xxh3.is_empty()).count(), bytes));
+                    check_stream(&cache, verify, &mut r);
                 }
                 Err(e) => r.problems.push(e.to_string()),
             },
@@ -149,6 +153,29 @@ pub fn doctor(dir: &Path, verify: bool, progress: &dyn Progress) -> Result<Docto
         check_padding(dir, &m, &mut r);
     }
     Ok(r)
+}
+
+/// A stream store's bytes against the hub's hashes: each shard not checked yet whose bytes are all
+/// local is hashed (with `verify`), a mismatch a problem naming it; cached experts of checked
+/// shards are held to the xxh3 their check recorded (with `verify`); shards still unchecked are
+/// listed.
+fn check_stream(cache: &crate::hub_cache::HubCache, verify: bool, r: &mut DoctorReport) {
+    for shard in cache.unverified_shards() {
+        match verify.then(|| cache.local_check(&shard)) {
+            Some(Ok(Some(false))) => r.problems.push(format!(
+                "{shard}: its local bytes (spine tensors in the skeleton and cached experts) do not match the SHA-256 the hub publishes: \
+                 something was corrupted in transit or on disk"
+            )),
+            Some(Err(e)) => r.problems.push(format!("{shard}: {e}")),
+            Some(Ok(Some(true))) => {}
+            Some(Ok(None)) | None => r.unverified_shards.push(shard),
+        }
+    }
+    if verify {
+        for (shard, offset) in cache.damaged_verified_experts() {
+            r.problems.push(format!("{shard}: the cached expert at offset {offset} differs from the bytes its shard was verified with"));
+        }
+    }
 }
 
 /// Files the store wrote itself (its spine file, its packs) hold nothing but checksummed bytes
@@ -237,7 +264,10 @@ fn check_records(dir: &Path, m: &Manifest, r: &mut DoctorReport) {
         sidecars.extend(packs.into_iter().map(|p| std::path::PathBuf::from(format!("{}.json", p.display()))));
     } else {
         sidecars.push(dir.join("inplace-spine.json"));
-        sidecars.extend(m.layouts.iter().map(|(l, _)| dir.join(format!("inplace-L{l:03}.json"))));
+        // A stream store's experts are in its cache, named by their checksums: no layer sidecars.
+        if m.layout != crate::manifest::LAYOUT_STREAM {
+            sidecars.extend(m.layouts.iter().map(|(l, _)| dir.join(format!("inplace-L{l:03}.json"))));
+        }
     }
     for p in sidecars {
         match read_sealed::<serde_json::Value>(&p) {
@@ -263,9 +293,21 @@ pub fn repair(dir: &Path, progress: &dyn Progress) -> Result<Manifest> {
         )
     })?;
     if rec.layout == crate::manifest::LAYOUT_STREAM {
-        // Everything of a stream store comes from the hub again, at the pinned commit.
+        // Everything of a stream store comes from the hub again, at the pinned commit; then
+        // every shard not checked yet is checked (fetching what is not cached) and what was
+        // corrupted in transit is repaired.
         let from = rec.source.to_string_lossy().into_owned();
-        return crate::setup::setup_stream(&crate::setup::StreamOptions::new(from, dir), progress);
+        let mut opts = crate::setup::StreamOptions::new(from, dir);
+        // The stream store as it was made: its disk budget, cache homes and whole-shard size.
+        if let Ok(hub) = read_sealed::<crate::hub_cache::HubRecord>(&dir.join(crate::hub_cache::HUB_RECORD)) {
+            opts.disk_budget = hub.disk_budget;
+            opts.homes = hub.cache_dirs.iter().filter_map(|d| Some(d.parent()?.parent()?.to_path_buf())).collect();
+            opts.whole_shard_max = hub.whole_shard_max.unwrap_or(crate::hub_cache::WHOLE_SHARD_FETCH);
+        }
+        crate::setup::setup_stream(&opts, progress)?;
+        let mut store = crate::store::Store::open(dir)?;
+        store.verify_streamed(progress)?;
+        return Ok(store.manifest().clone());
     }
     if !rec.source.join("config.json").exists() {
         return Err(Error::format(

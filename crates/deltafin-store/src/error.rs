@@ -56,6 +56,13 @@ pub enum Error {
     /// A `hf://` model asked for in the local Hugging Face cache is not there (or incomplete).
     #[error("{spec} is not in the Hugging Face cache at {looked}: {why}; {advice}")]
     NotInHfCache { spec: String, looked: PathBuf, why: String, advice: String },
+    /// Bytes of a stream store's shard did not match the hub's SHA-256 and were repaired from a
+    /// fresh fetch that did: the run that met them may have computed with the wrong bytes.
+    #[error(
+        "{path}: {} did not match the SHA-256 the hub publishes for shard {shard} (corrupted in transit); fetched again and repaired, so run again: this run may have computed with the wrong bytes",
+        parts.join(", ")
+    )]
+    Repaired { shard: String, parts: Vec<String>, path: PathBuf },
     /// The hub could not give what a stream store needs.
     #[error(transparent)]
     Fetch(#[from] deltafin_fetch::Error),

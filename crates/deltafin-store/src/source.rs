@@ -39,6 +39,9 @@ pub struct SourceStats {
     pub prefetch_wasted_bytes: u64,
     /// Most bytes of expert buffers (cached, being read, in use) held at once.
     pub cache_peak_bytes: u64,
+    /// Bytes the engine was handed (spine included) that no published hash has covered yet: a
+    /// stream store's large shards until they are checked against the hub's SHA-256.
+    pub unverified_bytes: u64,
 }
 
 /// Per-drive counters.

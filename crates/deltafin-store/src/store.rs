@@ -238,6 +238,29 @@ impl Store {
         })
     }
 
+    /// For a stream store: checks every large shard not checked yet against the hub's SHA-256,
+    /// fetching what is not local and repairing bytes corrupted in transit, so that every byte the
+    /// engine then computes with is verified; refuses what cannot be checked (offline with bytes
+    /// missing, a shard the hub publishes no hash for). Other stores check every byte already.
+    pub fn verify_streamed(&mut self, progress: &dyn crate::Progress) -> Result<()> {
+        if self.manifest.layout != crate::manifest::LAYOUT_STREAM {
+            return Ok(());
+        }
+        let cache = self.hub_cache()?;
+        let refuse = |why: String| Error::format(&self.dir, format!("--verified-only: {why}"));
+        let repaired =
+            cache.verify_all(progress).map_err(|e| refuse(format!("a shard could not be checked against the hub's SHA-256: {e}")))?;
+        let left = cache.unverified_shards();
+        if !left.is_empty() {
+            return Err(refuse(format!("the hub publishes no SHA-256 for {}, so nothing can verify their bytes", left.join(", "))));
+        }
+        if !repaired.is_empty() {
+            eprintln!("deltafin: repaired before use (corrupted in transit): {}", repaired.join(", "));
+            self.manifest = Manifest::read(&self.dir)?;
+        }
+        Ok(())
+    }
+
     /// The expert cache of a stream store.
     pub fn hub_cache(&self) -> Result<crate::hub_cache::HubCache> {
         let record = self.hub_record()?.ok_or_else(|| Error::format(&self.dir, "not a stream store"))?;

@@ -141,6 +141,7 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
         files: files.clone(),
         disk_budget: opts.disk_budget,
         cache_dirs,
+        whole_shard_max: Some(opts.whole_shard_max),
     };
     write_sealed(&out.join(HUB_RECORD), &hub_record)?;
 
@@ -205,19 +206,24 @@ pub fn setup_stream(opts: &StreamOptions, progress: &dyn Progress) -> Result<Man
     progress.end();
     let ckpt = Checkpoint::open(&dir)?;
     fetch_spine(&hub, &ckpt, &dir, &by_name, &whole, &earlier_spine, progress)?;
+    drop(earlier_spine);
     ckpt.validate()?;
 
     // The manifest: the spine in place in the skeletons, experts in the cache (checksums unknown
     // until fetched).
     let cache = out_abs.join(CACHE_DIR);
     std::fs::create_dir_all(&cache).map_err(Error::io(&cache))?;
+    // Every spine byte was just fetched (whole shards checked against their SHA-256) or just
+    // compared with the earlier manifest (`fetch_spine`): the hub, not an earlier run, is the
+    // reference, and a skeleton repaired from it must not read as a changed checkpoint.
+    remove_if_present(&out.join("inplace-spine.json"))?;
     let plan = Install {
         ckpt: &ckpt,
         out,
         record: record.clone(),
         homes: vec![cache.clone(), dir.clone()],
         pack_dirs: vec![],
-        earlier_spine,
+        earlier_spine: HashMap::new(),
         earlier_experts: HashMap::new(),
         src: LocalFiles::new(),
         spine_dir: dir.clone(),

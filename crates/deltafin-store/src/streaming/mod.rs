@@ -775,6 +775,7 @@ impl ExpertSource for StreamingExperts {
         let mut s = st.stats.clone();
         s.per_home = st.homes.iter().map(|h| h.stats.clone()).collect();
         s.cache_peak_bytes = self.inner.budget.peak();
+        s.unverified_bytes = self.inner.io.unverified_bytes();
         s
     }
 

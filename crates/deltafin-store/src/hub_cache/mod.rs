@@ -11,10 +11,11 @@
 //! most [`WHOLE_SHARD_FETCH`] bytes is downloaded whole at setup and checked against its SHA-256
 //! (its experts then have checksums in the manifest and are read from it like a full store's).
 //! A larger shard's experts are published after the exact transport checks (status,
-//! `Content-Range`, length), and the shard is checked as soon as all its bytes are local: on a
-//! mismatch every cached expert of that shard is discarded and the run fails naming the shard
-//! (the next run fetches it again). Until then a wrong byte the hub serves inside an expert of a
-//! large shard cannot be told from a right one: the hub publishes nothing finer.
+//! `Content-Range`, length), and the shard is checked (`verify.rs`) as soon as all its bytes are
+//! local, or when asked (`--verified-only`, a fill, `doctor`), fetching what is not local. Until
+//! a shard is checked, its spine bytes and experts are *unverified*: the engine counts every such
+//! byte it is handed ([`DriveIo::unverified_bytes`]) and runs say so. Once checked, every expert
+//! of the shard is held to the xxh3 the check recorded, whenever it is read or fetched again.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
@@ -25,13 +26,15 @@ use std::time::SystemTime;
 
 use deltafin_fetch::{Hub, HubConfig, Priority as FetchPriority, RepoRef};
 use serde::{Deserialize, Serialize};
-use sha2::Digest as _;
 
 use crate::error::{Error, Result};
 use crate::manifest::{checksum, rename_synced, Manifest};
 use crate::memory::BUF_ALIGN;
 use crate::reader::aligned_window;
 use crate::streaming::DriveIo;
+
+mod verify;
+pub use verify::{VerifiedShards, VERIFIED_RECORD};
 
 /// Folder of a stream store holding fetched experts.
 pub const CACHE_DIR: &str = "deltafin-cache";
@@ -207,6 +210,10 @@ pub struct HubRecord {
     /// chosen by its position; empty: the store's own `deltafin-cache/`.
     #[serde(default)]
     pub cache_dirs: Vec<PathBuf>,
+    /// Shards of at most this many bytes were downloaded whole (`None`: records made before it
+    /// was kept, when it was always [`WHOLE_SHARD_FETCH`]).
+    #[serde(default)]
+    pub whole_shard_max: Option<u64>,
 }
 
 impl HubRecord {
@@ -243,6 +250,8 @@ pub struct HubCacheStats {
     pub evicted: AtomicU64,
     pub shards_verified: AtomicU64,
     pub shard_mismatches: AtomicU64,
+    /// Bytes of experts handed to the engine from shards not yet checked against the hub's hash.
+    pub unverified_expert_bytes: AtomicU64,
 }
 
 /// The stream store's expert cache: a [`DriveIo`] whose misses are fetched from the hub.
@@ -260,6 +269,17 @@ pub struct HubCache {
     tmp_counter: AtomicU64,
     /// Set to end a fill early (the engine it filled for was dropped).
     stop: std::sync::atomic::AtomicBool,
+    /// The store's folder (its manifest is resealed when a spine tensor is repaired).
+    store: PathBuf,
+    /// Spine tensors that lie in streamed shards.
+    spine: Vec<verify::SpineSpan>,
+    /// Shards checked against the hub's SHA-256 (`hub/verified.json`).
+    verified: Mutex<VerifiedShards>,
+    /// One shard check at a time.
+    checking: Mutex<()>,
+    /// Set when a check found bytes this process may already have computed with: every later
+    /// read fails with it.
+    tainted: Mutex<Option<String>>,
 }
 
 fn other(e: impl std::fmt::Display) -> std::io::Error {
@@ -325,6 +345,11 @@ impl HubCache {
             stats: HubCacheStats::default(),
             tmp_counter: AtomicU64::new(0),
             stop: std::sync::atomic::AtomicBool::new(false),
+            store: store.to_path_buf(),
+            spine: verify::spine_spans(manifest),
+            verified: Mutex::new(VerifiedShards::read(&store.join(HUB_DIR).join(VERIFIED_RECORD))),
+            checking: Mutex::new(()),
+            tainted: Mutex::new(None),
         })
     }
 
@@ -366,6 +391,11 @@ impl HubCache {
             }
         };
         let path = self.expert_path(shard, offset, &xxh3);
+        if self.verified_xxh3(shard, offset).is_some_and(|v| v != xxh3) {
+            eprintln!("deltafin: cached expert {} differs from the bytes its shard was verified with; fetching it again", path.display());
+            self.forget(&key, &xxh3);
+            return false;
+        }
         let ok = std::fs::File::open(&path).and_then(|mut f| {
             f.read_exact(dst)?;
             // The file's time is its recency across runs (eviction order).
@@ -443,79 +473,31 @@ impl HubCache {
         self.spans[shard].iter().filter(|(o, _)| !st.entries.contains_key(&(shard.to_string(), **o))).map(|(o, l)| (*o, *l)).collect()
     }
 
-    /// SHA-256 of `shard` as local bytes make it: experts from the cache, the rest (header,
-    /// spine) from the skeleton.
-    fn shard_sha256(&self, shard: &str) -> Result<String> {
-        let size = self.files.get(shard).map_or(0, |f| f.size);
-        let skel_path = self.skeleton.join(shard);
-        let mut skel = std::fs::File::open(&skel_path).map_err(Error::io(&skel_path))?;
-        let mut h = sha2::Sha256::new();
-        let mut buf = vec![0u8; 1 << 20];
-        let mut pos = 0u64;
-        let mut copy_skeleton = |h: &mut sha2::Sha256, from: u64, to: u64| -> Result<()> {
-            use std::os::unix::fs::FileExt;
-            let mut at = from;
-            while at < to {
-                let n = (to - at).min(buf.len() as u64) as usize;
-                skel.read_exact_at(&mut buf[..n], at).map_err(Error::io(&skel_path))?;
-                h.update(&buf[..n]);
-                at += n as u64;
-            }
-            let _ = &mut skel;
-            Ok(())
-        };
-        for (&off, &len) in &self.spans[shard] {
-            copy_skeleton(&mut h, pos, off)?;
-            let mut b = vec![0u8; len as usize];
-            if !self.read_cached(shard, off, &mut b) {
-                return Err(Error::format(
-                    self.dir_of(shard, off).join(shard),
-                    format!("expert at offset {off} went missing while the shard was checked"),
-                ));
-            }
-            h.update(&b);
-            pos = off + len;
-        }
-        copy_skeleton(&mut h, pos, size)?;
-        Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
-    }
-
-    /// Checks `shard` against the hub's SHA-256.
-    fn verify_shard(&self, shard: &str) -> Result<()> {
-        let Some(want) = self.files.get(shard).and_then(|f| f.sha256.clone()) else { return Ok(()) };
-        let got = self.shard_sha256(shard)?;
-        self.stats.shards_verified.fetch_add(1, Ordering::Relaxed);
-        if got == want.to_ascii_lowercase() {
-            return Ok(());
-        }
-        self.stats.shard_mismatches.fetch_add(1, Ordering::Relaxed);
-        // Nothing of a shard that fails its hash stays.
-        let keys: Vec<(String, u64, String)> = {
-            let st = self.state.lock().expect("poisoned");
-            st.entries.iter().filter(|(k, _)| k.0 == shard).map(|(k, c)| (k.0.clone(), k.1, c.xxh3.clone())).collect()
-        };
-        for (s, o, x) in keys {
-            self.forget(&(s, o), &x);
-        }
-        Err(Error::format(
-            self.skeleton.join(shard),
-            format!(
-                "the bytes fetched for this shard hash to SHA-256 {got}, the hub published {want}; they were discarded and will be fetched again on next use (if this repeats, the hub or a proxy serves wrong bytes)"
-            ),
-        ))
-    }
-
     /// Fetches the expert at `offset` of `shard` into `dst` and publishes it; checks the shard
     /// once all its bytes are local.
     pub fn fetch(&self, shard: &str, offset: u64, dst: &mut [u8], priority: FetchPriority) -> Result<()> {
         self.hub.fetch_range_split(shard, offset, dst, priority)?;
         self.stats.fetches.fetch_add(1, Ordering::Relaxed);
         self.stats.fetched_bytes.fetch_add(dst.len() as u64, Ordering::Relaxed);
+        self.check_against_record(shard, offset, dst)?;
         self.publish(shard, offset, dst)?;
         if self.missing(shard).is_empty() {
-            self.verify_shard(shard)?;
+            self.check_shard(shard)?;
         }
         Ok(())
+    }
+
+    /// An expert fetched again for a verified shard must be the bytes the check recorded.
+    fn check_against_record(&self, shard: &str, offset: u64, bytes: &[u8]) -> Result<()> {
+        match self.verified_xxh3(shard, offset) {
+            Some(want) if want != checksum(bytes) => Err(Error::format(
+                self.skeleton.join(shard),
+                format!(
+                    "the hub served the expert at offset {offset} with bytes that differ from those this shard was verified with                      against its SHA-256 (corrupted in transit, or the hub changed): not used; run again to fetch it again"
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Fetches one run as one range, handing each expert to `publish` as soon as it is whole
@@ -570,10 +552,13 @@ impl HubCache {
                 scope.spawn(|| loop {
                     let Ok((shard, off, bytes)) = rx.lock().expect("poisoned").recv() else { return };
                     if failed.lock().expect("poisoned").is_none() {
-                        let published = self.publish(&shard, off, bytes.bytes()).and_then(|()| match self.missing(&shard).is_empty() {
-                            true => self.verify_shard(&shard),
-                            false => Ok(()),
-                        });
+                        let published = self
+                            .check_against_record(&shard, off, bytes.bytes())
+                            .and_then(|()| self.publish(&shard, off, bytes.bytes()))
+                            .and_then(|()| match self.missing(&shard).is_empty() {
+                                true => self.check_shard(&shard),
+                                false => Ok(()),
+                            });
                         match published {
                             Ok(()) => progress.advance(bytes.len as u64),
                             Err(e) => drop(failed.lock().expect("poisoned").get_or_insert(e)),
@@ -619,7 +604,13 @@ impl HubCache {
                 None => false,
             });
         }
-        self.fetch_many(todo, FetchPriority::Background, "fill", progress)
+        self.fetch_many(todo, FetchPriority::Background, "fill", progress)?;
+        // Shards the disk budget keeps partly cached are checked by streaming what is missing.
+        let repaired = self.verify_all(progress)?;
+        match repaired.is_empty() {
+            true => Ok(()),
+            false => Err(Error::Repaired { shard: "(several)".into(), parts: repaired, path: self.skeleton.clone() }),
+        }
     }
 
     /// Fills in the background with spare bandwidth (the hub admits demand requests first)
@@ -661,10 +652,16 @@ impl DriveIo for EngineCache {
     fn self_checked(&self) -> bool {
         self.cache.self_checked()
     }
+    fn unverified_bytes(&self) -> u64 {
+        self.cache.unverified_bytes()
+    }
 }
 
 impl DriveIo for HubCache {
     fn read(&self, home: usize, path: &Path, offset: u64, len: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(why) = self.tainted.lock().expect("poisoned").clone() {
+            return Err(other(format!("{why}: this process may have computed with the wrong bytes; run again")));
+        }
         if home == WHOLE_SHARD_HOME {
             // A verified whole shard: read like a full store's file (the manifest has checksums).
             let (file, _) = crate::reader::open_for_read(path, crate::reader::CacheMode::Buffered)?;
@@ -677,7 +674,14 @@ impl DriveIo for HubCache {
         if !self.read_cached(&shard, offset, dst) {
             self.fetch(&shard, offset, dst, FetchPriority::Demand).map_err(other)?;
         }
+        if !self.is_verified(&shard) {
+            self.stats.unverified_expert_bytes.fetch_add(len, Ordering::Relaxed);
+        }
         Ok(at)
+    }
+
+    fn unverified_bytes(&self) -> u64 {
+        self.unverified_spine_bytes() + self.stats.unverified_expert_bytes.load(Ordering::Relaxed)
     }
 
     fn self_checked(&self) -> bool {
