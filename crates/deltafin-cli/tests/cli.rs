@@ -291,6 +291,13 @@ fn a_killed_batch_resumes_to_the_uninterrupted_result() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stderr).contains("5 done earlier"), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(batch_results(&resumed), want, "resumed output differs from an uninterrupted run");
+    // Line and request ids stay unique across the two runs.
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&resumed).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    for key in ["/id", "/response/request_id"] {
+        let ids: std::collections::BTreeSet<String> = lines.iter().map(|v| v.pointer(key).unwrap().as_str().unwrap().to_string()).collect();
+        assert_eq!(ids.len(), lines.len(), "{key} repeated in a resumed batch");
+    }
     // Nothing left to do: a third run writes nothing.
     let before = std::fs::read(&resumed).unwrap();
     assert!(run(&resumed, &[]).status.success());
@@ -340,4 +347,34 @@ fn errors_say_what_a_model_folder_is_and_suggest_a_budget_that_runs() {
     assert!(err.contains(" MB") && suggested.ends_with('M'), "{err}");
     // The suggestion, followed, runs.
     ok(bin().args(["run", "--prompt", "hi", "--max-new", "2", "--ram-budget", &suggested, "--model"]).arg(fixture()));
+}
+
+#[test]
+fn batch_outputs_that_would_lose_results_are_refused_or_redone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    std::fs::write(&input, batch_lines(2)).unwrap();
+    let run =
+        |out: &Path| bin().args(["batch", "--model"]).arg(fixture()).arg("--input").arg(&input).arg("--output").arg(out).output().unwrap();
+    // The output is the input: refused, the input untouched.
+    let before = std::fs::read(&input).unwrap();
+    let o = run(&input);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("is the input file"), "{err}");
+    assert_eq!(std::fs::read(&input).unwrap(), before);
+    // A line with a known id but no result is not a result: that request runs again.
+    let out = tmp.path().join("out.jsonl");
+    std::fs::write(&out, "{\"custom_id\": \"req-0\", \"response\": null, \"error\": null}\n").unwrap();
+    let o = run(&out);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("0 done earlier"), "{err}");
+    let done: Vec<serde_json::Value> = std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(done.iter().any(|v| v["custom_id"] == "req-0" && v["response"]["status_code"] == 200), "req-0 ran again");
+    // Results of requests the input does not have: another batch's output, refused.
+    let other = tmp.path().join("other.jsonl");
+    std::fs::write(&other, "{\"custom_id\": \"elsewhere\", \"response\": {\"status_code\": 200, \"body\": {}}, \"error\": null}\n")
+        .unwrap();
+    let o = run(&other);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("another batch's output") && err.contains("elsewhere"), "{err}");
 }

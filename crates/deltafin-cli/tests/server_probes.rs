@@ -187,3 +187,144 @@ fn framing_errors_get_the_right_status() {
     assert!(!text.lines().any(|l| l.starts_with("INFO request done id=forged")), "{text}");
     assert_eq!(text.matches("status=413").count(), 1, "one 413 (the oversized declared body), none for the reset: {text}");
 }
+
+/// A small deterministic generator (no dependency for it).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Text that has broken tokenizers and parsers: long runs, control characters, lone surrogate
+/// escapes, control-token spellings, deep nesting, huge numbers.
+fn pathological_text(rng: &mut Lcg) -> String {
+    let pieces = [
+        "a",
+        "é",
+        "ab",
+        " ",
+        "\n",
+        "\r\n",
+        "\t",
+        "\u{0}",
+        "\u{1b}[31m",
+        "日本",
+        "🙂",
+        "<|open|>",
+        "[EOS]",
+        "\u{200b}",
+        "\u{feff}",
+        "'s",
+        "1234567890",
+        "\u{301}",
+    ];
+    let mut s = String::new();
+    for _ in 0..1 + rng.below(6) {
+        let p = pieces[rng.below(pieces.len())];
+        let most = if rng.below(4) == 0 { 20_000 } else { 20 };
+        s.push_str(&p.repeat(1 + rng.below(most)));
+    }
+    s
+}
+
+/// A request body: valid-looking JSON with odd values, or not JSON at all.
+fn fuzz_body(rng: &mut Lcg) -> Vec<u8> {
+    let text = pathological_text(rng);
+    let v = match rng.below(9) {
+        0 => json!({"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+        1 => json!({"prompt": text, "max_tokens": 2}),
+        2 => json!({"messages": [{"role": "tool", "content": text, "tool_call_id": text}], "max_tokens": 1}),
+        3 => json!({"messages": [{"role": text, "content": "x"}]}),
+        4 => json!({"prompt": [rng.next(), -1, 1e300], "max_tokens": rng.next()}),
+        5 => json!({"messages": [], "stop": [text], "max_tokens": 1}),
+        6 => json!({text.clone(): 1, "prompt": "x"}),
+        7 => {
+            let mut deep = String::new();
+            let n = 1 + rng.below(5000);
+            deep.push_str(&"[".repeat(n));
+            deep.push_str(&"]".repeat(n));
+            return format!("{{\"prompt\": {deep}}}").into_bytes();
+        }
+        _ => return (0..rng.below(4000)).map(|_| rng.next() as u8).collect(),
+    };
+    v.to_string().into_bytes()
+}
+
+/// What one fuzz case sends: a body under honest, lying or broken framing, at once or slowly.
+fn fuzz_request(rng: &mut Lcg) -> (Vec<u8>, bool) {
+    let path = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/%00", "/v1/../x"][rng.below(6)];
+    let body = fuzz_body(rng);
+    let mut head = format!("POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n");
+    let framed = match rng.below(8) {
+        0 => {
+            head += &format!("Content-Length: {}\r\n\r\n", body.len() + 1 + rng.below(100));
+            [head.into_bytes(), body].concat()
+        }
+        1 => {
+            head += "Transfer-Encoding: chunked\r\n\r\n";
+            let mut b = head.into_bytes();
+            b.extend(format!("{:x}\r\n", body.len() + rng.below(3)).as_bytes());
+            b.extend(&body);
+            b.extend(b"\r\n0\r\n\r\n");
+            b
+        }
+        2 => {
+            head += &format!("Content-Length: {}\r\nContent-Length: 3\r\n\r\n", body.len());
+            [head.into_bytes(), body].concat()
+        }
+        3 => {
+            head += &format!("X-Long: {}\r\nContent-Length: {}\r\n\r\n", "h".repeat(rng.below(200_000)), body.len());
+            [head.into_bytes(), body].concat()
+        }
+        4 => (0..rng.below(300)).map(|_| rng.next() as u8).collect(),
+        _ => {
+            head += &format!("Content-Length: {}\r\n\r\n", body.len());
+            [head.into_bytes(), body].concat()
+        }
+    };
+    (framed, rng.below(25) == 0)
+}
+
+/// Random and pathological requests, framing and slow clients, each under a deadline: the server
+/// answers every one with a status it documents (never a 5xx), or closes the connection, and
+/// stays healthy.
+#[test]
+fn fuzzed_requests_get_documented_answers_and_the_server_stays_up() {
+    let (mut s, log) = start_logged(&["--header-timeout", "2", "--body-timeout", "2"]);
+    let mut rng = Lcg(46);
+    let mut statuses = std::collections::BTreeMap::new();
+    for case in 0..160 {
+        let (bytes, slow) = fuzz_request(&mut rng);
+        let mut c = connect(&s);
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let sent = if slow {
+            // A slow client: a few bytes at a time.
+            bytes.chunks(7).take(40).try_for_each(|b| {
+                std::thread::sleep(Duration::from_millis(30));
+                c.write_all(b)
+            })
+        } else {
+            c.write_all(&bytes)
+        };
+        let _ = sent;
+        let got = read_all(c);
+        let status = status_of(&got);
+        assert!(
+            status == 0 || [200, 400, 401, 404, 405, 408, 413, 414, 429, 431, 503].contains(&status),
+            "case {case}: status {status}: {}",
+            got.chars().take(300).collect::<String>()
+        );
+        *statuses.entry(status).or_insert(0) += 1;
+        assert!(s.child.try_wait().unwrap().is_none(), "case {case}: the server exited");
+    }
+    eprintln!("fuzzed statuses (0: connection closed without an answer): {statuses:?}");
+    assert!(statuses.get(&400).copied().unwrap_or(0) > 10, "the fuzz reached the request parser: {statuses:?}");
+    assert!(matches!(s.request("GET", "/health", None, &[]), Ok((200, _, _))));
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    assert!(!text.contains("panicked"), "{text}");
+}

@@ -8,8 +8,11 @@
 //! the order requests finish.
 //!
 //! **Resumable.** Each result is appended whole and synced before the next is written; a re-run
-//! first cuts off a torn last line (a crash mid-write), then skips every `custom_id` already in
-//! the output, so no line is lost or written twice. A request's own error (a refused field, a
+//! first cuts off a torn last line (a crash mid-write), then skips every `custom_id` the output
+//! already holds a result for (a `response` with its status and body, or an `error`), so no
+//! line is lost or written twice. Line and request ids carry a number drawn per run, so a resumed
+//! batch never repeats one. An output that is the input, or that holds results for requests the
+//! input does not have (another batch's), is refused before anything runs. A request's own error (a refused field, a
 //! prompt too long) is that line's result and the batch goes on; a malformed envelope (no
 //! `custom_id`, a repeated one, not JSON) stops the batch before anything runs, naming the line.
 
@@ -90,6 +93,8 @@ pub enum BatchError {
     Io { path: PathBuf, err: std::io::Error },
     #[error("{path} line {line}: {why}")]
     Input { path: PathBuf, line: usize, why: String },
+    #[error("{path}: {why}")]
+    Output { path: PathBuf, why: String },
 }
 
 /// One request line.
@@ -126,30 +131,72 @@ fn read_input(path: &PathBuf) -> Result<Vec<Line>, BatchError> {
     Ok(lines)
 }
 
-/// The `custom_id`s the output already holds, after cutting off a torn last line.
-fn finished_ids(path: &PathBuf) -> Result<HashSet<String>, BatchError> {
+/// The `custom_id`s the output already holds a result for, after cutting off a torn last line.
+/// A line whose `custom_id` the input does not have is refused (the output of another batch).
+fn finished_ids(path: &PathBuf, input: &[Line]) -> Result<HashSet<String>, BatchError> {
     let io = |err| BatchError::Io { path: path.clone(), err };
     let Ok(bytes) = std::fs::read(path) else { return Ok(HashSet::new()) };
     let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |p| p + 1);
+    let known: HashSet<&str> = input.iter().map(|l| l.custom_id.as_str()).collect();
+    let mut done = HashSet::new();
+    let mut foreign = Vec::new();
+    for line in String::from_utf8_lossy(&bytes[..whole]).lines() {
+        let Ok(v) = serde_json::from_str::<Value>(line) else { continue };
+        let Some(id) = v.get("custom_id").and_then(Value::as_str) else { continue };
+        if !known.contains(id) {
+            foreign.push(id.to_string());
+            continue;
+        }
+        if is_result(&v) {
+            done.insert(id.to_string());
+        }
+    }
+    if let Some(first) = foreign.first() {
+        return Err(BatchError::Output {
+            path: path.clone(),
+            why: format!(
+                "holds results for {} request(s) the input does not have (custom_id {first:?}...): it is another batch's output; \
+                 choose another --output, or remove those lines",
+                foreign.len()
+            ),
+        });
+    }
     if whole < bytes.len() {
         let f = std::fs::OpenOptions::new().write(true).open(path).map_err(io)?;
         f.set_len(whole as u64).map_err(io)?;
         f.sync_all().map_err(io)?;
     }
-    let mut done = HashSet::new();
-    for line in String::from_utf8_lossy(&bytes[..whole]).lines() {
-        if let Some(id) =
-            serde_json::from_str::<Value>(line).ok().and_then(|v| v.get("custom_id").and_then(Value::as_str).map(str::to_string))
-        {
-            done.insert(id);
-        }
-    }
     Ok(done)
 }
 
-/// Runs one line through the router; returns its output object and completion tokens.
-async fn answer(app: axum::Router, line: Line, n: u64) -> (Value, u64, u64, bool) {
-    let error_line = |code: &str, message: String| json!({"id": format!("batch_req_{n:08x}"), "custom_id": line.custom_id, "response": null, "error": {"code": code, "message": message}});
+/// Whether an output line is a request's result: a `response` with its status and body, or an
+/// `error` with its code.
+fn is_result(v: &Value) -> bool {
+    let response = v.get("response").is_some_and(|r| r.get("status_code").is_some_and(Value::is_u64) && r.get("body").is_some());
+    let error = v.get("error").is_some_and(|e| e.get("code").is_some_and(Value::is_string));
+    response || error
+}
+
+/// Refuses an output that is the input file itself (appending results to the requests would
+/// lose both).
+fn check_paths(cfg: &BatchConfig) -> Result<(), BatchError> {
+    let same = match (std::fs::canonicalize(&cfg.input), std::fs::canonicalize(&cfg.output)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if same {
+        return Err(BatchError::Output {
+            path: cfg.output.clone(),
+            why: "is the input file: results would be appended to the requests; choose another --output".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Runs one line through the router; returns its output object and completion tokens. `run` is
+/// this run's number, `n` the line's within it.
+async fn answer(app: axum::Router, line: Line, run: u64, n: u64) -> (Value, u64, u64, bool) {
+    let error_line = |code: &str, message: String| json!({"id": format!("batch_req_{run:016x}{n:08x}"), "custom_id": line.custom_id, "response": null, "error": {"code": code, "message": message}});
     if line.method != "POST" {
         return (error_line("invalid_method", format!("method {:?}: only POST is supported", line.method)), 0, 0, false);
     }
@@ -172,9 +219,9 @@ async fn answer(app: axum::Router, line: Line, n: u64) -> (Value, u64, u64, bool
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let (p, c) = (body["usage"]["prompt_tokens"].as_u64().unwrap_or(0), body["usage"]["completion_tokens"].as_u64().unwrap_or(0));
     let out = json!({
-        "id": format!("batch_req_{n:08x}"),
+        "id": format!("batch_req_{run:016x}{n:08x}"),
         "custom_id": line.custom_id,
-        "response": {"status_code": status, "request_id": format!("req_{n:08x}"), "body": body},
+        "response": {"status_code": status, "request_id": format!("req_{run:016x}{n:08x}"), "body": body},
         "error": null
     });
     (out, p, c, status == 200)
@@ -182,8 +229,9 @@ async fn answer(app: axum::Router, line: Line, n: u64) -> (Value, u64, u64, bool
 
 /// Runs the batch in `cfg` on `model` (opened with at least `cfg.max_batch` sequence slots).
 pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn BatchProgress) -> Result<BatchSummary, BatchError> {
+    check_paths(cfg)?;
     let lines = read_input(&cfg.input)?;
-    let done = finished_ids(&cfg.output)?;
+    let done = finished_ids(&cfg.output, &lines)?;
     let total = lines.len();
     let pending: Vec<Line> = lines.into_iter().filter(|l| !done.contains(&l.custom_id)).collect();
     let mut summary = BatchSummary { total, skipped: total - pending.len(), ..Default::default() };
@@ -223,14 +271,17 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
         let permits = Arc::new(tokio::sync::Semaphore::new(2 * max_batch));
         let feeder = {
             let app = app.clone();
-            // Request numbers go on from those an earlier run wrote.
-            let n0 = done.len() as u64;
+            // Ids are this run's number and the line's: a resumed batch never repeats one.
+            let run = {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+                twox_hash::XxHash3_64::oneshot(&[now.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat())
+            };
             tokio::spawn(async move {
                 for (i, line) in pending.into_iter().enumerate() {
                     let permit = permits.clone().acquire_owned().await.expect("semaphore open");
                     let (app, tx) = (app.clone(), tx.clone());
                     tokio::spawn(async move {
-                        let r = answer(app, line, n0 + i as u64).await;
+                        let r = answer(app, line, run, i as u64).await;
                         let _ = tx.send(r).await;
                         drop(permit);
                     });

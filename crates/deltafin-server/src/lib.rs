@@ -9,6 +9,7 @@
 //! the previous one resumes from the kept state (`usage.prompt_tokens_details.cached_tokens`).
 
 mod batch;
+mod intake;
 mod listen;
 mod metrics;
 mod output;
@@ -21,7 +22,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -34,6 +34,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::unbounded_channel;
 
 pub use crate::batch::{run_batch, BatchConfig, BatchError, BatchProgress, BatchSummary};
+use crate::intake::{build_prompt, loggable, read_body};
 use crate::metrics::Metrics;
 use crate::output::{chat_logprob, Part};
 pub use crate::request::{parse as parse_request, ApiError};
@@ -223,38 +224,6 @@ async fn method_not_allowed(State(s): State<Shared>, method: axum::http::Method,
     error(&s, api_error(405, "invalid_request_error", format!("{method} is not allowed on {}", uri.path())))
 }
 
-/// Reads a request body up to the configured size, within the configured time. A declared
-/// `Content-Length` over the limit is refused before any of the body is read (so a client that
-/// sent `Expect: 100-continue` gets the 413, not `100 Continue`); a body that breaks off or is
-/// malformed is a 400 saying so, never a 413.
-async fn read_body(s: &AppState, headers: &HeaderMap, body: axum::body::Body) -> Result<Bytes, ApiError> {
-    let max = s.cfg.max_body_bytes;
-    let too_large = || api_error(413, "invalid_request_error", format!("the request body is larger than {max} bytes (serve --max-body)"));
-    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max as u64) {
-        return Err(too_large());
-    }
-    let limit = Duration::from_secs(s.cfg.body_timeout_s.max(1));
-    let limited = http_body_util::Limited::new(body, max);
-    match tokio::time::timeout(limit, http_body_util::BodyExt::collect(limited)).await {
-        Err(_) => Err(api_error(408, "invalid_request_error", format!("the request body did not arrive within {} s", limit.as_secs()))),
-        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
-        Ok(Err(e)) => Err(api_error(400, "invalid_request_error", format!("the request body could not be read: {e}"))),
-        Ok(Ok(b)) => Ok(b.to_bytes()),
-    }
-}
-
-/// Text from a client made safe for one log line: control characters escaped (a newline in a
-/// field name cannot forge a line) and the length capped.
-fn loggable(text: &str) -> String {
-    const MAX: usize = 300;
-    let mut out: String = text.chars().take(MAX).flat_map(char::escape_debug).collect();
-    if text.chars().nth(MAX).is_some() {
-        out.push_str("...");
-    }
-    out
-}
-
 fn error(state: &AppState, e: ApiError) -> Response {
     state.metrics.status(e.status);
     tracing::info!(status = e.status, message = %loggable(&e.message), "request refused");
@@ -433,80 +402,6 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
     } else {
         whole_response(s, model, turn, rx, guard).await
     }
-}
-
-/// A request's prompt ids, stop ids and tool-turn state, with `max_tokens` settled against the
-/// context; a prompt that cannot fit is refused before more than a context's worth of text is
-/// tokenized.
-#[allow(clippy::type_complexity)]
-fn build_prompt(
-    model: &LoadedModel,
-    req: Request,
-    chat: bool,
-) -> Result<(Request, Vec<u32>, Vec<u32>, Option<Option<Vec<u32>>>), ApiError> {
-    let limit = model.new_sequence().context_limit();
-    let prompt_param = if chat { "messages" } else { "prompt" };
-    let too_long = || ApiError::bad(prompt_param, format!("the prompt is longer than the context limit of {limit} tokens"));
-    let tok = model.tokenizer();
-    let mut tool_turn: Option<Option<Vec<u32>>> = None;
-    let (prompt, stop_ids) = match &req.prompt {
-        Prompt::Chat { messages, reasoning_effort, tools } => {
-            // Every token holds at most `max_token_len` bytes of text: a conversation with more
-            // text than the context could hold even so is refused without tokenizing it.
-            let text: usize = messages
-                .iter()
-                .map(|m| {
-                    m.content.len()
-                        + m.reasoning.as_ref().map_or(0, String::len)
-                        + m.tool_calls.iter().map(|c| c.arguments.len()).sum::<usize>()
-                })
-                .sum::<usize>()
-                + tools.as_ref().map_or(0, |t| t.declared.len());
-            if text / tok.max_token_len() > limit {
-                return Err(too_long());
-            }
-            let fmt = model.chat().map_err(|e| api_error(500, "server_error", e.to_string()))?;
-            let turn_kind = tools.as_ref().map_or(deltafin::ToolTurn::Free, |t| t.choice.clone());
-            let declared = tools.as_ref().map(|t| t.declared.as_str());
-            let ids = fmt
-                .render_with_tools(messages, reasoning_effort.as_deref(), declared, &turn_kind)
-                .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-            if tools.is_some() {
-                // A required or named call: the prompt ends inside the opened `tool_call`
-                // tag, whose text so far the reply parser must know.
-                let open = tok.special("<|open|>");
-                let prefill = (turn_kind != deltafin::ToolTurn::Free)
-                    .then(|| ids.iter().rposition(|&i| Some(i) == open).map(|at| ids[at + 1..].to_vec()).unwrap_or_default());
-                tool_turn = Some(prefill);
-            }
-            (ids, fmt.stop_ids())
-        }
-        Prompt::Text(t) => (tok.encode_ordinary_within(t, limit).ok_or_else(too_long)?, tok.special("[EOS]").into_iter().collect()),
-        Prompt::Ids(ids) => {
-            let vocab = tok.vocab_len();
-            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-                return Err(ApiError::bad("prompt", format!("token id {bad} is outside the vocabulary (0..{vocab})")));
-            }
-            (ids.clone(), tok.special("[EOS]").into_iter().collect())
-        }
-    };
-    let mut req = req;
-    if !req.max_tokens_given {
-        // No max_tokens sent: the default, clamped to what the context has left.
-        req.max_tokens = req.max_tokens.min(limit.saturating_sub(prompt.len()));
-        if req.max_tokens == 0 && !req.echo {
-            return Err(ApiError::bad(
-                prompt_param,
-                format!("the prompt ({} tokens) fills the context limit of {limit} tokens", prompt.len()),
-            ));
-        }
-    } else if prompt.len() + req.max_tokens > limit {
-        return Err(ApiError::bad(
-            prompt_param,
-            format!("prompt ({} tokens) + max_tokens ({}) exceed the context limit of {limit} tokens", prompt.len(), req.max_tokens),
-        ));
-    }
-    Ok((req, prompt, stop_ids, tool_turn))
 }
 
 /// The log line of a finished request.

@@ -81,6 +81,18 @@ impl Error {
     }
 }
 
+/// What an error caused by this process running out of file handles says (it is neither the
+/// drive's fault nor damage to the store).
+pub(crate) const OUT_OF_HANDLES: &str = "the process has no file handle left";
+
+/// A hint for an I/O error whose cause is not the file: running out of file handles.
+pub(crate) fn io_hint(e: &std::io::Error) -> String {
+    match e.raw_os_error() {
+        Some(23) | Some(24) => format!(" ({OUT_OF_HANDLES}: raise its limit with `ulimit -n`; the drive and the store are fine)"),
+        _ => String::new(),
+    }
+}
+
 /// Result alias used across the crate.
 pub type Result<T> = std::result::Result<T, Error>;
 

@@ -402,8 +402,14 @@ impl HubCache {
             let _ = f.set_modified(SystemTime::now());
             Ok(())
         });
-        if ok.is_ok() && checksum(dst) == xxh3 {
-            return true;
+        match &ok {
+            Ok(()) if checksum(dst) == xxh3 => return true,
+            // Not this file's fault (no file handle left, say): keep it, fetch this time.
+            Err(e) if !matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::UnexpectedEof) => {
+                eprintln!("deltafin: cannot read cached expert {} ({e}{}); fetching it instead", path.display(), crate::error::io_hint(e));
+                return false;
+            }
+            _ => {}
         }
         eprintln!("deltafin: cached expert {} is damaged; fetching it again", path.display());
         self.forget(&key, &xxh3);
@@ -438,10 +444,11 @@ impl HubCache {
         let written = write_synced(&tmp, bytes);
         if let Err(e) = written {
             let _ = std::fs::remove_file(&tmp);
-            return Err(Error::Io {
-                path: tmp,
-                err: std::io::Error::new(e.kind(), format!("{e} (caching a fetched expert; free space or lower --disk-budget)")),
-            });
+            let why = match crate::error::io_hint(&e) {
+                hint if !hint.is_empty() => hint,
+                _ => " (caching a fetched expert; free space or lower --disk-budget)".to_string(),
+            };
+            return Err(Error::Io { path: tmp, err: std::io::Error::new(e.kind(), format!("{e}{why}")) });
         }
         rename_synced(&tmp, &self.expert_path(shard, offset, &sum))?;
         let key = (shard.to_string(), offset);

@@ -524,7 +524,7 @@ impl Inner {
         let at = self
             .io
             .read(c.home, &path, c.offset, e.len, buf.as_mut_slice())
-            .map_err(|err| ReadFail::Io(format!("{}: {err}", path.display())))?;
+            .map_err(|err| ReadFail::Io(format!("{}: {err}{}", path.display(), crate::error::io_hint(&err))))?;
         let secs = t0.elapsed().as_secs_f64();
         drop(slot);
         let owner: Arc<dyn deltafin_core::ByteOwner> = Arc::new(buf);
@@ -610,7 +610,8 @@ impl Inner {
                 };
                 let h = &mut st.homes[home];
                 h.stats.errors += 1;
-                if corrupt.is_none() {
+                // Out of file handles is this process's state, not the drive's.
+                if corrupt.is_none() && !msg.contains(crate::error::OUT_OF_HANDLES) {
                     // An I/O failure: quarantine the drive with back-off.
                     h.quarantined_until = Some(Instant::now() + h.backoff);
                     h.backoff = (h.backoff * 2).min(Duration::from_secs(30));
