@@ -1,0 +1,231 @@
+// Deltafin's CUDA kernels: every output value is one dot product in the engine's canonical order
+// (16 lanes: lane j accumulates the products of its columns in ascending order as a chain of
+// fused multiply-adds from 0, then the fixed tree (j, j+8), (j, j+4), (j, j+2), (0, 1)), exactly
+// as the CPU's `dot_bf16` / `dot_mxfp4` do, so the GPU gives the CPU's bits.
+//
+// Compiled by NVRTC with --fmad=false (no multiply-add is contracted: every fused multiply-add
+// is an explicit fmaf), --ftz=false (subnormals kept, as on the CPU), --prec-div/--prec-sqrt.
+//
+// Layouts. Weights are stored on the GPU lane-major, permuted once at upload:
+//   BF16  row r: [16 lanes][K/16] u16,  element (j, m) = column 16m + j.
+//   MXFP4 row r: [16 lanes][G] bytes (G = K/32 groups), element (j, g) = byte j of group g,
+//         whose low nibble is column 32g + 2j and high nibble column 32g + 2j + 1; scales [G].
+// So lane j's columns, in the order its chain takes them, are contiguous: k' = 0 .. K/16.
+// Activations are permuted per product into the same lane order: X_l[j][t][k'].
+
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+__device__ __constant__ float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+__device__ __forceinline__ float bf16_value(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
+
+// 2^(s-127) exactly; s = 0 is the subnormal 2^-127.
+__device__ __forceinline__ float e8m0_value(u8 s) { return __uint_as_float(s == 0 ? 0x00400000u : ((unsigned)s) << 23); }
+
+// The fixed reduction tree over 16 lanes.
+__device__ __forceinline__ float reduce16(const float* a) {
+    float h[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) h[j] = __fadd_rn(a[j], a[j + 8]);
+    float q[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) q[j] = __fadd_rn(h[j], h[j + 4]);
+    return __fadd_rn(__fadd_rn(q[0], q[2]), __fadd_rn(q[1], q[3]));
+}
+
+// The lane of column k' of lane j, as a column of the original row.
+// BF16: 16k' + j.  MXFP4: 32(k'/2) + 2j + (k' & 1).
+extern "C" __global__ void x_to_lanes(const float* __restrict__ x, int T, int K, int mxfp4, float* __restrict__ xl) {
+    int Kl = K / 16;
+    long total = (long)T * K;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        int kp = (int)(i % Kl);
+        long rest = i / Kl;
+        int t = (int)(rest % T);
+        int j = (int)(rest / T);
+        int col = mxfp4 ? 32 * (kp >> 1) + 2 * j + (kp & 1) : 16 * kp + j;
+        xl[i] = x[(long)t * K + col];
+    }
+}
+
+// One weight element of lane j, chain position k', of row r.
+struct Bf16Rows {
+    const u16* w;
+    int Kl;
+    __device__ __forceinline__ float at(int r, int j, int kp) const { return bf16_value(w[((long)r * 16 + j) * Kl + kp]); }
+};
+struct Mxfp4Rows {
+    const u8* packed;
+    const u8* scales;
+    int G;
+    __device__ __forceinline__ float at(int r, int j, int kp) const {
+        int g = kp >> 1;
+        u8 b = packed[((long)r * 16 + j) * G + g];
+        u8 code = (kp & 1) ? (b >> 4) : (b & 15);
+        return __fmul_rn(E2M1[code], e8m0_value(scales[(long)r * G + g]));
+    }
+};
+
+// Lane products for many token rows: P[j][t][r] = the chain of lane j for token t and weight row r.
+// A 128 x 128 tile of (t, r) per block for one lane (blockIdx.z), 256 threads of 8 x 8 values,
+// K' in steps of 8 through shared memory; each value's chain runs in ascending k'.
+#define BM 128
+#define BN 128
+#define BK 8
+template <typename W>
+__device__ void lane_gemm(const float* __restrict__ xl, W w, int T, int R, int Kl, float* __restrict__ p) {
+    __shared__ float As[2][BK][BM];
+    __shared__ float Bs[2][BK][BN];
+    int j = blockIdx.z;
+    int t0 = blockIdx.y * BM, r0 = blockIdx.x * BN;
+    int tid = threadIdx.x;
+    int tx = tid % 16, ty = tid / 16;
+    const float* xj = xl + (long)j * T * Kl;
+    float acc[8][8];
+#pragma unroll
+    for (int a = 0; a < 8; a++)
+#pragma unroll
+        for (int b = 0; b < 8; b++) acc[a][b] = 0.0f;
+    // Loader: each thread loads 4 of A's 1024 and 4 of B's 1024 tile elements.
+    auto load = [&](int buf, int k0) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int e = tid + 256 * i;
+            int m = e / BK, k = e % BK;
+            int t = t0 + m, kp = k0 + k;
+            As[buf][k][m] = (t < T && kp < Kl) ? xj[(long)t * Kl + kp] : 0.0f;
+            int r = r0 + m;
+            Bs[buf][k][m] = (r < R && kp < Kl) ? w.at(r, j, kp) : 0.0f;
+        }
+    };
+    int steps = (Kl + BK - 1) / BK;
+    load(0, 0);
+    __syncthreads();
+    for (int s = 0; s < steps; s++) {
+        int cur = s & 1;
+        if (s + 1 < steps) load(cur ^ 1, (s + 1) * BK);
+        int kmax = min(BK, Kl - s * BK);
+        for (int k = 0; k < kmax; k++) {
+            float a[8], b[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) a[i] = As[cur][k][ty * 8 + i];
+#pragma unroll
+            for (int i = 0; i < 8; i++) b[i] = Bs[cur][k][tx * 8 + i];
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+#pragma unroll
+                for (int y = 0; y < 8; y++) acc[x][y] = fmaf(a[x], b[y], acc[x][y]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int x = 0; x < 8; x++) {
+        int t = t0 + ty * 8 + x;
+        if (t >= T) continue;
+#pragma unroll
+        for (int y = 0; y < 8; y++) {
+            int r = r0 + tx * 8 + y;
+            if (r < R) p[((long)j * T + t) * R + r] = acc[x][y];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) lane_gemm_bf16(const float* xl, const u16* w, int T, int R, int Kl, float* p) {
+    lane_gemm(xl, Bf16Rows{w, Kl}, T, R, Kl, p);
+}
+extern "C" __global__ void __launch_bounds__(256) lane_gemm_mxfp4(const float* xl, const u8* packed, const u8* scales, int T, int R, int Kl, float* p) {
+    lane_gemm(xl, Mxfp4Rows{packed, scales, Kl / 2}, T, R, Kl, p);
+}
+
+// out[t][r] = the tree over P[0..16][t][r].
+extern "C" __global__ void lane_tree(const float* __restrict__ p, int T, int R, float* __restrict__ out) {
+    long n = (long)T * R;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float a[16];
+#pragma unroll
+        for (int j = 0; j < 16; j++) a[j] = p[(long)j * n + i];
+        out[i] = reduce16(a);
+    }
+}
+
+// Few token rows (decode, verify): 16 threads per weight row, thread j running lane j's chain for
+// every token (up to 8) from contiguous lane-major bytes, then the tree through shuffles:
+// (j, j+8), (j, j+4), (j, j+2), (0, 1) are exactly `reduce16`'s pairs.
+#define GEMV_TOKENS 8
+__device__ __forceinline__ float tree_shuffle(float v) {
+    v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 8, 16));
+    v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 4, 16));
+    v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 2, 16));
+    v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, 1, 16));
+    return v;
+}
+
+extern "C" __global__ void gemv_bf16(const float* __restrict__ xl, const u16* __restrict__ w, int T, int R, int Kl, float* __restrict__ out) {
+    int r = (blockIdx.x * blockDim.x + threadIdx.x) / 16;
+    int j = threadIdx.x % 16;
+    bool live = r < R;
+    float acc[GEMV_TOKENS];
+#pragma unroll
+    for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;
+    if (live) {
+        const uint4* row = (const uint4*)(w + ((long)r * 16 + j) * Kl);
+        for (int v = 0; v < Kl / 8; v++) {
+            uint4 q = __ldg(row + v);
+            unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                float wv = bf16_value((u16)(e & 1 ? words[e / 2] >> 16 : words[e / 2] & 0xffff));
+                int kp = 8 * v + e;
+#pragma unroll
+                for (int t = 0; t < GEMV_TOKENS; t++)
+                    if (t < T) acc[t] = fmaf(xl[((long)j * T + t) * Kl + kp], wv, acc[t]);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GEMV_TOKENS; t++) {
+        float s = tree_shuffle(acc[t]);
+        if (live && j == 0 && t < T) out[(long)t * R + r] = s;
+    }
+}
+
+extern "C" __global__ void gemv_mxfp4(const float* __restrict__ xl, const u8* __restrict__ packed, const u8* __restrict__ scales, int T, int R, int Kl, float* __restrict__ out) {
+    int G = Kl / 2;
+    int r = (blockIdx.x * blockDim.x + threadIdx.x) / 16;
+    int j = threadIdx.x % 16;
+    bool live = r < R;
+    float acc[GEMV_TOKENS];
+#pragma unroll
+    for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;
+    if (live) {
+        const uint4* row = (const uint4*)(packed + ((long)r * 16 + j) * G);
+        const uint4* srow = (const uint4*)(scales + (long)r * G);
+        for (int v = 0; v < G / 16; v++) {
+            uint4 q = __ldg(row + v);
+            uint4 sq = __ldg(srow + v);
+            const u8* bytes = (const u8*)&q;
+            const u8* sb = (const u8*)&sq;
+#pragma unroll
+            for (int e = 0; e < 16; e++) {
+                float sc = e8m0_value(sb[e]);
+                float lo = __fmul_rn(E2M1[bytes[e] & 15], sc), hi = __fmul_rn(E2M1[bytes[e] >> 4], sc);
+                int kp = 2 * (16 * v + e);
+#pragma unroll
+                for (int t = 0; t < GEMV_TOKENS; t++) {
+                    if (t < T) {
+                        const float* x = xl + ((long)j * T + t) * Kl + kp;
+                        acc[t] = fmaf(x[0], lo, acc[t]);
+                        acc[t] = fmaf(x[1], hi, acc[t]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GEMV_TOKENS; t++) {
+        float s = tree_shuffle(acc[t]);
+        if (live && j == 0 && t < T) out[(long)t * R + r] = s;
+    }
+}
