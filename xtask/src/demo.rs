@@ -9,10 +9,6 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-fn cargo() -> String {
-    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
-}
-
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
@@ -31,7 +27,8 @@ pub fn demo(prompt: &str, max_new: usize, budget: &str) -> Result<()> {
     let models = root.join("models");
     let ckpt = crate::trained::models_dir().join("k3");
     let draft = crate::trained::models_dir().join("draft");
-    run(Command::new(cargo()).current_dir(&root).args(["build", "--release", "-q", "-p", "deltafin-cli"]))?;
+    // Cargo's own progress shows: the first build takes minutes on two cores.
+    run(crate::bench::cargo().current_dir(&root).args(["build", "--release", "-p", "deltafin-cli"]))?;
     let bin = crate::bench::target_dir().join("release/deltafin");
     let store = models.join("trained-demo-store");
     let (d0, d1) = (models.join("drive0"), models.join("drive1"));

@@ -55,6 +55,14 @@ struct Bf16Rows {
     const u16* w;
     int Kl;
     __device__ __forceinline__ float at(int r, int j, int kp) const { return bf16_value(w[((long)r * 16 + j) * Kl + kp]); }
+    // Chain positions kp .. kp+3 (kp a multiple of 4).
+    __device__ __forceinline__ void at4(int r, int j, int kp, float* out) const {
+        uint2 q = *(const uint2*)(w + ((long)r * 16 + j) * Kl + kp);
+        out[0] = bf16_value((u16)(q.x & 0xffff));
+        out[1] = bf16_value((u16)(q.x >> 16));
+        out[2] = bf16_value((u16)(q.y & 0xffff));
+        out[3] = bf16_value((u16)(q.y >> 16));
+    }
 };
 struct Mxfp4Rows {
     const u8* packed;
@@ -65,6 +73,17 @@ struct Mxfp4Rows {
         u8 b = packed[((long)r * 16 + j) * G + g];
         u8 code = (kp & 1) ? (b >> 4) : (b & 15);
         return __fmul_rn(E2M1[code], e8m0_value(scales[(long)r * G + g]));
+    }
+    // Chain positions kp .. kp+3 (kp a multiple of 4): two groups' bytes of lane j.
+    __device__ __forceinline__ void at4(int r, int j, int kp, float* out) const {
+        int g = kp >> 1;
+        const u8* b = packed + ((long)r * 16 + j) * G + g;
+        const u8* s = scales + (long)r * G + g;
+        float s0 = e8m0_value(s[0]), s1 = e8m0_value(s[1]);
+        out[0] = __fmul_rn(E2M1[b[0] & 15], s0);
+        out[1] = __fmul_rn(E2M1[b[0] >> 4], s0);
+        out[2] = __fmul_rn(E2M1[b[1] & 15], s1);
+        out[3] = __fmul_rn(E2M1[b[1] >> 4], s1);
     }
 };
 
@@ -130,6 +149,76 @@ __device__ void lane_gemm(const float* __restrict__ xl, W w, int T, int R, int K
             if (r < R) p[((long)j * T + t) * R + r] = acc[x][y];
         }
     }
+}
+
+// The same products with 16-byte loads and shared-memory reads (needs K/16 a multiple of 4): each
+// thread loads four consecutive chain positions of one row of A and of B per tile, and reads its
+// 8 + 8 operands as float4s. Every value's chain is unchanged, so are its bits.
+template <typename W>
+__device__ void lane_gemm4(const float* __restrict__ xl, W w, int T, int R, int Kl, float* __restrict__ p) {
+    __shared__ __align__(16) float As[2][BK][BM];
+    __shared__ __align__(16) float Bs[2][BK][BN];
+    int j = blockIdx.z;
+    int t0 = blockIdx.y * BM, r0 = blockIdx.x * BN;
+    int tid = threadIdx.x;
+    int tx = tid % 16, ty = tid / 16;
+    const float* xj = xl + (long)j * T * Kl;
+    float acc[8][8];
+#pragma unroll
+    for (int a = 0; a < 8; a++)
+#pragma unroll
+        for (int b = 0; b < 8; b++) acc[a][b] = 0.0f;
+    int m = tid / 2, k4 = (tid % 2) * 4;
+    auto load = [&](int buf, int k0) {
+        int kp = k0 + k4;
+        int t = t0 + m, r = r0 + m;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t < T && kp < Kl) a = *(const float4*)(xj + (long)t * Kl + kp);
+        As[buf][k4 + 0][m] = a.x;
+        As[buf][k4 + 1][m] = a.y;
+        As[buf][k4 + 2][m] = a.z;
+        As[buf][k4 + 3][m] = a.w;
+        float b4[4] = {0.f, 0.f, 0.f, 0.f};
+        if (r < R && kp < Kl) w.at4(r, j, kp, b4);
+#pragma unroll
+        for (int i = 0; i < 4; i++) Bs[buf][k4 + i][m] = b4[i];
+    };
+    int steps = (Kl + BK - 1) / BK;
+    load(0, 0);
+    __syncthreads();
+    for (int s = 0; s < steps; s++) {
+        int cur = s & 1;
+        if (s + 1 < steps) load(cur ^ 1, (s + 1) * BK);
+#pragma unroll
+        for (int k = 0; k < BK; k++) {
+            float4 a0 = *(const float4*)&As[cur][k][ty * 8], a1 = *(const float4*)&As[cur][k][ty * 8 + 4];
+            float4 b0 = *(const float4*)&Bs[cur][k][tx * 8], b1 = *(const float4*)&Bs[cur][k][tx * 8 + 4];
+            float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+#pragma unroll
+                for (int y = 0; y < 8; y++) acc[x][y] = fmaf(a[x], b[y], acc[x][y]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int x = 0; x < 8; x++) {
+        int t = t0 + ty * 8 + x;
+        if (t >= T) continue;
+#pragma unroll
+        for (int y = 0; y < 8; y++) {
+            int r = r0 + tx * 8 + y;
+            if (r < R) p[((long)j * T + t) * R + r] = acc[x][y];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) lane_gemm4_bf16(const float* xl, const u16* w, int T, int R, int Kl, float* p) {
+    lane_gemm4(xl, Bf16Rows{w, Kl}, T, R, Kl, p);
+}
+extern "C" __global__ void __launch_bounds__(256) lane_gemm4_mxfp4(const float* xl, const u8* packed, const u8* scales, int T, int R, int Kl, float* p) {
+    lane_gemm4(xl, Mxfp4Rows{packed, scales, Kl / 2}, T, R, Kl, p);
 }
 
 extern "C" __global__ void __launch_bounds__(256) lane_gemm_bf16(const float* xl, const u16* w, int T, int R, int Kl, float* p) {

@@ -33,7 +33,19 @@ pub use libs::{load_nvrtc, NVRTC_WHEEL};
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every kernel the source defines.
-pub const KERNEL_NAMES: &[&str] = &["x_to_lanes", "lane_gemm_bf16", "lane_gemm_mxfp4", "lane_tree", "gemv_bf16", "gemv_mxfp4"];
+pub const KERNEL_NAMES: &[&str] =
+    &["x_to_lanes", "lane_gemm_bf16", "lane_gemm_mxfp4", "lane_gemm4_bf16", "lane_gemm4_mxfp4", "lane_tree", "gemv_bf16", "gemv_mxfp4"];
+
+/// Which lane GEMM runs a many-row product: both give the same bits; the benchmark sets them side
+/// by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum LaneGemm {
+    /// 16-byte loads and float4 shared-memory reads (where K/16 is a multiple of 4).
+    #[default]
+    Vector,
+    /// Element by element.
+    Scalar,
+}
 
 /// Token rows at most that the few-row kernels (`gemv_*`) take; more go to the lane GEMM.
 pub const GEMV_TOKENS: usize = 8;
@@ -102,6 +114,8 @@ pub struct Gpu {
     _module: Arc<CudaModule>,
     funcs: std::collections::HashMap<&'static str, CudaFunction>,
     name: String,
+    /// The lane GEMM many-row products use.
+    pub lane_gemm: LaneGemm,
 }
 
 /// Weights resident on the GPU, lane-major (see `kernels.cu`).
@@ -161,7 +175,7 @@ impl Gpu {
             funcs.insert(k, module.load_function(k).map_err(|e| GpuError::Compile(format!("kernel {k}: {e}")))?);
         }
         let stream = ctx.default_stream();
-        Ok(Gpu { ctx, stream, _module: module, funcs, name })
+        Ok(Gpu { ctx, stream, _module: module, funcs, name, lane_gemm: LaneGemm::default() })
     }
 
     /// The device, for people.
@@ -235,15 +249,20 @@ impl Gpu {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
+        let vector = self.lane_gemm == LaneGemm::Vector && (cols / 16).is_multiple_of(4);
+        let name = |kind: &str| match vector {
+            true => format!("lane_gemm4_{kind}"),
+            false => format!("lane_gemm_{kind}"),
+        };
         match w {
             GpuWeights::Bf16 { w, .. } => {
-                let mut b = self.stream.launch_builder(&self.funcs["lane_gemm_bf16"]);
+                let mut b = self.stream.launch_builder(&self.funcs[name("bf16").as_str()]);
                 b.arg(lanes).arg(w).arg(&t).arg(&r).arg(&kl).arg(&mut *partial);
                 // SAFETY: the partial buffer holds 16 * tokens * rows values.
                 unsafe { b.launch(cfg) }?;
             }
             GpuWeights::Mxfp4 { packed, scales, .. } => {
-                let mut b = self.stream.launch_builder(&self.funcs["lane_gemm_mxfp4"]);
+                let mut b = self.stream.launch_builder(&self.funcs[name("mxfp4").as_str()]);
                 b.arg(lanes).arg(packed).arg(scales).arg(&t).arg(&r).arg(&kl).arg(&mut *partial);
                 // SAFETY: as above.
                 unsafe { b.launch(cfg) }?;

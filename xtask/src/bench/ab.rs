@@ -51,9 +51,8 @@ fn build_base(rev: &str, dir: &Path) -> Result<PathBuf> {
     let mut tar = Command::new("tar").current_dir(&src).args(["-x"]).stdin(std::process::Stdio::piped()).spawn()?;
     std::io::Write::write_all(tar.stdin.as_mut().context("tar stdin")?, &archive.stdout)?;
     ensure!(tar.wait()?.success(), "unpacking {rev}");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!("ab: building deltafin at {rev} (first time: a few minutes)");
-    let st = Command::new(cargo)
+    let st = super::cargo()
         .current_dir(&src)
         .env("CARGO_TARGET_DIR", dir.join("target"))
         .args(["build", "--release", "-q", "-p", "deltafin-cli"])

@@ -67,10 +67,27 @@ fn ensure_model(preset: &str) -> Result<(PathBuf, PathBuf)> {
     Ok((ckpt, store))
 }
 
-/// Builds the `deltafin` binary (release) and returns its path.
+/// A `cargo` command as a user would type it: without the variables `cargo run` set for xtask
+/// itself. Build scripts watch some of them (ring's watches `CARGO_MANIFEST_DIR`), so an inner
+/// build that inherited xtask's values rebuilt a third of the tree on every run.
+pub fn cargo() -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        let set_by_cargo_run = k.starts_with("CARGO_PKG_")
+            || k.starts_with("CARGO_BIN_")
+            || k.starts_with("CARGO_CRATE_")
+            || matches!(&*k, "CARGO_MANIFEST_DIR" | "CARGO_MANIFEST_PATH" | "CARGO_PRIMARY_PACKAGE" | "CARGO_MANIFEST_LINKS");
+        if set_by_cargo_run {
+            c.env_remove(&*k);
+        }
+    }
+    c
+}
+
+/// Builds the `deltafin` binary (release), showing cargo's progress, and returns its path.
 pub fn build_cli() -> Result<PathBuf> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let st = std::process::Command::new(cargo).current_dir(root()).args(["build", "--release", "-q", "-p", "deltafin-cli"]).status()?;
+    let st = cargo().current_dir(root()).args(["build", "--release", "-p", "deltafin-cli"]).status()?;
     anyhow::ensure!(st.success(), "building deltafin failed");
     Ok(target_dir().join("release/deltafin"))
 }
@@ -444,6 +461,8 @@ pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::
         "ladder-reader",
         "ab",
         "ab-slice",
+        "tokenizer",
+        "gpu",
     ] {
         if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
             report += &t;

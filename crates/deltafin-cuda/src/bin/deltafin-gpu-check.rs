@@ -18,7 +18,7 @@ use std::fmt::Write as _;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::CudaStream;
 use deltafin_core::{dot_bf16, dot_mxfp4, permute_for_mxfp4, Isa};
-use deltafin_cuda::{Gpu, GpuWeights, Workspace};
+use deltafin_cuda::{Gpu, GpuWeights, LaneGemm, Workspace};
 use rayon::prelude::*;
 
 /// A small deterministic generator (xorshift).
@@ -108,8 +108,20 @@ fn same(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
 }
 
-/// Checks one case; returns (values compared, values that differ).
-fn check(gpu: &Gpu, isa: Isa, case: &Case, seed: u64, subnormal: bool) -> (usize, usize) {
+/// Checks one case with each lane GEMM; returns (values compared, values that differ).
+fn check(gpu: &mut Gpu, isa: Isa, case: &Case, seed: u64, subnormal: bool) -> (usize, usize) {
+    let (mut n, mut bad) = (0, 0);
+    for variant in [LaneGemm::Vector, LaneGemm::Scalar] {
+        gpu.lane_gemm = variant;
+        let (a, b) = check_one(gpu, isa, case, seed, subnormal);
+        n += a;
+        bad += b;
+    }
+    gpu.lane_gemm = LaneGemm::default();
+    (n, bad)
+}
+
+fn check_one(gpu: &Gpu, isa: Isa, case: &Case, seed: u64, subnormal: bool) -> (usize, usize) {
     let h = make(case, seed, subnormal);
     let w = upload(gpu, case, &h);
     let got = gpu.matmul_host(&h.x, case.tokens, &w).unwrap_or_else(|e| fail(&format!("matmul: {e}")));
@@ -152,7 +164,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let bench = args.iter().any(|a| a == "--bench");
     let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
-    let gpu = Gpu::open(0).unwrap_or_else(|e| fail(&e.to_string()));
+    let mut gpu = Gpu::open(0).unwrap_or_else(|e| fail(&e.to_string()));
     let isa = Isa::best();
     let mut report = String::new();
     let _ = writeln!(report, "GPU: {}  CPU reference: {:?}\n", gpu.name(), isa.kind());
@@ -176,7 +188,7 @@ fn main() {
     ];
     let mut total_bad = 0;
     for (i, (case, subnormal)) in cases.iter().enumerate() {
-        let (n, bad) = check(&gpu, isa, case, 1000 + i as u64, *subnormal);
+        let (n, bad) = check(&mut gpu, isa, case, 1000 + i as u64, *subnormal);
         total_bad += bad;
         let what = format!("{}{}", label(case), if *subnormal { " (scales to 2^-127)" } else { "" });
         let _ = writeln!(report, "| {what} | {n} | {bad} |");
@@ -184,7 +196,7 @@ fn main() {
     }
     if bench {
         report.push('\n');
-        report.push_str(&benchmark(&gpu));
+        report.push_str(&benchmark(&mut gpu));
     }
     println!("{report}");
     if let Some(path) = out {
@@ -212,8 +224,9 @@ fn median(mut v: Vec<f32>) -> f32 {
     v[v.len() / 2]
 }
 
-/// Ours and cuBLAS's SGEMM on each shape, alternated; one-row products against the copy rate.
-fn benchmark(gpu: &Gpu) -> String {
+/// Ours (each lane GEMM) and cuBLAS's SGEMM on each shape, alternated; one-row products against
+/// the copy rate.
+fn benchmark(gpu: &mut Gpu) -> String {
     let stream = gpu.stream().clone();
     let blas = CudaBlas::new(stream.clone()).unwrap_or_else(|e| fail(&format!("cuBLAS: {e}")));
     let mut s = String::new();
@@ -225,7 +238,10 @@ fn benchmark(gpu: &Gpu) -> String {
     let copy_rate = 2.0 * (n * 4) as f64 / (copy_ms as f64 / 1e3);
     drop((src, dst));
     let _ = writeln!(s, "Device copy (2 GiB, read + write): {:.0} GB/s\n", copy_rate / 1e9);
-    let _ = writeln!(s, "| product | ours | cuBLAS SGEMM (FP32) | ours / cuBLAS |\n|---|---|---|---|");
+    let _ = writeln!(
+        s,
+        "| product | ours (vector loads) | ours (scalar loads) | cuBLAS SGEMM (FP32) | best of ours / cuBLAS |\n|---|---|---|---|---|"
+    );
     let c = |kind, tokens, rows, cols| Case { kind, tokens, rows, cols };
     for case in [
         c(Kind::Mxfp4, 256, 6144, 3584),
