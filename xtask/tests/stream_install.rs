@@ -418,3 +418,29 @@ fn a_hub_that_ignores_range_still_serves_a_store() {
     setup_stream(&options(&hub, &store, 0), &NoProgress).unwrap();
     assert_eq!(generate(&store, None, true).unwrap(), (want, 0));
 }
+
+#[test]
+fn a_server_that_ignores_range_is_read_through_near_the_start_and_refused_far_in() {
+    // A 70 MiB file (sparse: holes read as zeros) with marks near its start and far in.
+    let root = tempfile::tempdir().unwrap();
+    let big = root.path().join("big.bin");
+    let f = std::fs::File::create(&big).unwrap();
+    f.set_len(70 << 20).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, b"near the start", 1000).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, b"far in", 66 << 20).unwrap();
+    drop(f);
+    let hub = HubEmulator::start(root.path(), REPO).unwrap();
+    hub.faults(|f| f.ignore_range = true);
+    let cfg = options(&hub, root.path(), 0).hub;
+    let remote = deltafin_fetch::Hub::open(cfg, &deltafin_fetch::RepoRef::parse(&format!("hf://{REPO}")).unwrap()).unwrap();
+    let mut near = vec![0u8; 14];
+    remote.fetch_range("big.bin", 1000, &mut near, deltafin_fetch::Priority::Demand).unwrap();
+    assert_eq!(&near, b"near the start", "a 200 with the whole file is read through to the range");
+    let mut far = vec![0u8; 6];
+    let err = remote.fetch_range("big.bin", 66 << 20, &mut far, deltafin_fetch::Priority::Demand).unwrap_err().to_string();
+    assert!(err.contains("ignores Range") && err.contains("setup --full"), "{err}");
+    // The same server honouring ranges again serves the far range.
+    hub.faults(|f| f.ignore_range = false);
+    remote.fetch_range("big.bin", 66 << 20, &mut far, deltafin_fetch::Priority::Demand).unwrap();
+    assert_eq!(&far, b"far in");
+}
