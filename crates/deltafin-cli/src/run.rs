@@ -96,6 +96,7 @@ impl ModelArgs {
     /// more kept between requests for reuse (serve --keep-states).
     pub fn open_with(&self, sequences: usize, kept: usize) -> Result<LoadedModel> {
         // (shared by run, logits, serve, chat and batch)
+        check_model_path(&self.model)?;
         EngineBuilder::new(&self.model)
             .max_sequences(sequences)
             .kept_states(kept)
@@ -168,6 +169,13 @@ fn prompt_ids(model: &LoadedModel, a: &RunArgs) -> Result<Vec<u32>> {
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
+    if let Some(path) = &a.stats_json {
+        // Before the generation, not after it: a path that cannot be written loses nothing yet.
+        let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        if !folder.is_dir() {
+            bail!("--stats-json {}: the folder {} does not exist", path.display(), folder.display());
+        }
+    }
     let opening = std::time::Instant::now();
     let model = a.model.open()?;
     // Before the first token too: the spine read and checked, the tokenizer, the readers.
@@ -246,7 +254,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         let tmp = path.with_extension("tmp");
         let mut json = crate::stats_json::with_drafter(crate::stats_json::stats_json(&stats), &model);
         json["open_s"] = serde_json::json!(open_s);
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&json)?).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&json)?).with_context(|| format!("writing {}", path.display()))?;
         std::fs::rename(&tmp, path)?;
     }
     Ok(())
@@ -276,4 +284,21 @@ pub fn logits(a: LogitsArgs) -> Result<()> {
     std::fs::rename(&tmp, &a.out).with_context(|| format!("writing {}", a.out.display()))?;
     eprintln!("wrote logits [{}, {}] to {}", l.rows, l.cols, a.out.display());
     Ok(())
+}
+
+/// A `--model` that cannot be a model says so before anything opens it: missing, or a file.
+pub fn check_model_path(model: &std::path::Path) -> Result<()> {
+    let what = "a checkpoint folder (with config.json), a store made by `deltafin setup`, or hf://OWNER/REPO";
+    if model.to_string_lossy().starts_with("hf://") {
+        return Ok(());
+    }
+    match std::fs::metadata(model) {
+        Err(_) => anyhow::bail!("{}: no such model folder or store (--model takes {what})", model.display()),
+        Ok(m) if !m.is_dir() => anyhow::bail!("{} is a file, not a model folder (--model takes {what})", model.display()),
+        // (a Hugging Face cache folder, `models--OWNER--REPO`, holds its snapshots)
+        Ok(_) if !model.join("config.json").exists() && !deltafin::is_store(model) && !model.join("snapshots").is_dir() => {
+            anyhow::bail!("{} is not a model folder: it has no config.json and is not a store (--model takes {what})", model.display())
+        }
+        Ok(_) => Ok(()),
+    }
 }

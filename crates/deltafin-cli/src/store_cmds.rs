@@ -1,6 +1,6 @@
 //! `deltafin setup` and `deltafin doctor`, with progress bars.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -41,6 +41,7 @@ impl Progress for Bars {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("mode").args(["full", "stream", "rebalance"]).required(true)))]
 pub struct SetupArgs {
     /// The checkpoint folder to install (release layout), or a hub repository
     /// hf://OWNER/REPO[@REVISION]: with --stream fetched from the hub (HF_ENDPOINT, HF_TOKEN and
@@ -50,7 +51,7 @@ pub struct SetupArgs {
     #[arg(long, required_unless_present = "rebalance")]
     pub from: Option<String>,
     /// Install the whole model now ("full" mode).
-    #[arg(long, required_unless_present_any = ["stream", "rebalance"], conflicts_with = "stream")]
+    #[arg(long, conflicts_with = "stream")]
     pub full: bool,
     /// Start small ("stream" mode): config, tokenizer and spine now, each expert fetched from the
     /// hub the first time it is needed and cached.
@@ -99,6 +100,46 @@ pub struct SetupArgs {
     /// arguments) instead of refusing.
     #[arg(long)]
     pub reinstall: bool,
+}
+
+/// Refuses targets that would put a store where it was not meant to go: an `--out` that is a file,
+/// a `--home` whose parent does not exist (a typo or an unmounted drive would otherwise become a
+/// folder on the system disk); warns when two homes share a file system (no gain in speed).
+fn check_targets(a: &SetupArgs) -> Result<()> {
+    if a.out.is_file() {
+        bail!("--out {}: that is a file; --out names the store's folder (a new one, or a store to resume or repair)", a.out.display());
+    }
+    let mut devices: Vec<(u64, &Path)> = Vec::new();
+    for h in &a.homes {
+        let p = h.path.as_path();
+        let parent = p.parent().filter(|q| !q.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        if !p.exists() && !parent.is_dir() {
+            bail!(
+                "--home {}: {} does not exist (a typo, or a drive that is not mounted?); setup creates a home folder, not the folders above it",
+                p.display(),
+                parent.display()
+            );
+        }
+        if p.is_file() {
+            bail!("--home {}: that is a file; a home is a folder on a drive", p.display());
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            let probe = if p.exists() { p } else { parent };
+            if let Ok(md) = std::fs::metadata(probe) {
+                if let Some((_, other)) = devices.iter().find(|(d, _)| *d == md.dev()) {
+                    eprintln!(
+                        "warning: --home {} and --home {} are on the same file system: they share one drive's reads (no faster than one home)",
+                        other.display(),
+                        p.display()
+                    );
+                }
+                devices.push((md.dev(), p));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A `--home` argument: a folder and what is stated of its drive.
@@ -181,6 +222,7 @@ fn print_plan(p: &deltafin::LayoutPlan) {
 }
 
 pub fn run_setup(a: SetupArgs) -> Result<()> {
+    check_targets(&a)?;
     let homes: Vec<PathBuf> = a.homes.iter().map(|h| h.path.clone()).collect();
     let drives: Vec<deltafin::DriveFacts> = a.homes.iter().map(|h| h.facts).collect();
     let layout_args = a.rebalance || a.plan || a.placement.is_some() || drives.iter().any(|d| *d != deltafin::DriveFacts::default());
@@ -275,6 +317,14 @@ pub struct DoctorArgs {
 }
 
 pub fn run_doctor(a: DoctorArgs) -> Result<()> {
+    crate::run::check_model_path(&a.model)?;
+    if !deltafin::is_store(&a.model) {
+        bail!(
+            "{m} is a checkpoint folder, not a store: `doctor` checks stores made by `deltafin setup` (a checkpoint is checked \
+             each time it is opened); to make a store of it: `deltafin setup --full --from {m} --out STORE`",
+            m = a.model.display()
+        );
+    }
     if a.repair {
         let info = deltafin::repair(&a.model, &Bars::new())?;
         ready(&a.model, &info);

@@ -378,3 +378,42 @@ fn batch_outputs_that_would_lose_results_are_refused_or_redone() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("another batch's output") && err.contains("elsewhere"), "{err}");
 }
+
+/// Issue 50: what a new user typing a wrong path or a missing mode gets is an error that names the
+/// mistake and the fix, before anything runs (each printed an OS error, a Debug list, or failed
+/// only after the whole generation before).
+#[test]
+fn first_hour_mistakes_get_errors_that_say_what_to_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let readme = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
+    let err = fails(bin().args(["run", "--ids", "1", "--model"]).arg(tmp.path().join("nothing-here")));
+    assert!(err.contains("no such model folder or store") && err.contains("--model takes"), "{err}");
+    let err = fails(bin().args(["run", "--ids", "1", "--model"]).arg(&readme));
+    assert!(err.contains("is a file, not a model folder"), "{err}");
+    let err = fails(bin().args(["setup", "--full", "--from"]).arg(fixture()).arg("--out").arg(&readme));
+    assert!(err.contains("that is a file; --out names the store's folder"), "{err}");
+    let err = fails(bin().args(["doctor", "--model"]).arg(fixture()));
+    assert!(err.contains("is a checkpoint folder, not a store") && err.contains("deltafin setup --full --from"), "{err}");
+    let out = bin().args(["setup", "--from"]).arg(fixture()).arg("--out").arg(tmp.path().join("s")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--full|--stream"), "setup without a mode names every mode: {err}");
+    let err = fails(
+        bin()
+            .args(["setup", "--full", "--from"])
+            .arg(fixture())
+            .arg("--out")
+            .arg(tmp.path().join("s"))
+            .arg("--home")
+            .arg(tmp.path().join("typo/ssd0")),
+    );
+    assert!(err.contains("does not exist") && err.contains("not mounted"), "{err}");
+    assert!(!tmp.path().join("typo").exists(), "nothing was created on the wrong disk");
+    let err = fails(
+        bin()
+            .args(["run", "--ids", PROMPT_IDS, "--max-new", "4", "--model"])
+            .arg(fixture())
+            .arg("--stats-json")
+            .arg(tmp.path().join("no/such/stats.json")),
+    );
+    assert!(err.contains("--stats-json") && err.contains("does not exist") && !err.contains("stats.tmp"), "{err}");
+}

@@ -252,7 +252,7 @@ fn queue_overflow_gets_429_and_disconnect_frees_the_engine() {
 fn official_openai_python_client() {
     let has = Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
     if !has {
-        eprintln!("SKIPPED: the `openai` Python package is not installed (pip install openai); .ci/run installs it");
+        skipped("the `openai` Python package is not installed (pip install openai)", true);
         return;
     }
     let s = start(&[]);

@@ -232,7 +232,7 @@ fn tool_calls_of_a_recorded_reply_come_back_whole_and_streamed_and_official_clie
     assert_eq!((name.as_str(), args.as_str(), finish.as_str()), ("get_weather", "{\"city\": \"Paris\"}", "tool_calls"));
     let has = Command::new("python3").args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
     if !has {
-        eprintln!("SKIPPED: the `openai` Python package is not installed (pip install openai); .ci/run installs it");
+        skipped("the `openai` Python package is not installed (pip install openai)", true);
         return;
     }
     let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_tools.py");
@@ -295,7 +295,7 @@ fn reasoning_is_apart_by_default_and_folded_into_content_when_asked() {
 fn run_client(program: &str, check: &[&str], script: &str, setup_hint: &str) {
     let has = Command::new(program).args(check).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
     if !has {
-        eprintln!("SKIPPED: {setup_hint}; .ci/run installs it");
+        skipped(setup_hint, program != "node" || has_npm());
         return;
     }
     let s = start_env(&[], &[("DELTAFIN_REPLAY_REPLY", TOOL_REPLY)]);
@@ -311,7 +311,7 @@ fn the_official_node_client_exercises_models_chat_streams_tools_and_errors() {
     let check = format!("{}/node_modules/openai/package.json", dir.display());
     let has = std::path::Path::new(&check).exists();
     if !has {
-        eprintln!("SKIPPED: the `openai` npm package is not installed (npm ci --prefix {}); .ci/run installs it", dir.display());
+        skipped(&format!("the `openai` npm package is not installed (npm ci --prefix {})", dir.display()), has_npm());
         return;
     }
     run_client("node", &["--version"], "tests/node/client.mjs", "node is not installed");

@@ -36,3 +36,15 @@ pub fn fails(cmd: &mut Command) -> String {
     assert!(!err.contains("panicked") && out.status.code() == Some(1), "{cmd:?} must fail with an error, not a panic: {err}");
     err
 }
+
+/// A test that cannot run here says so. In CI, where `.ci/run` installs what it needs (`ci_has_it`),
+/// a missing client is a failure, not a pass.
+pub fn skipped(why: &str, ci_has_it: bool) {
+    assert!(!(ci_has_it && std::env::var_os("CI").is_some()), "{why}, but .ci/run installs it: the test must run in CI");
+    eprintln!("SKIPPED: {why}; .ci/run installs it");
+}
+
+/// Whether npm is here (`.ci/run` installs the Node client only then).
+pub fn has_npm() -> bool {
+    Command::new("npm").arg("--version").output().is_ok_and(|o| o.status.success())
+}
