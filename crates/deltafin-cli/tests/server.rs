@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 mod common;
 
 use common::server::*;
+use common::skipped;
 
 #[test]
 fn chat_and_completion_shapes_and_determinism() {

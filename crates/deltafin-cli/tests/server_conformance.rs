@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::server::*;
-use common::{bin, PROMPT_IDS, PROMPT_TEXT};
+use common::{bin, has_npm, skipped, PROMPT_IDS, PROMPT_TEXT};
 use serde_json::{json, Value};
 
 #[test]
