@@ -13,8 +13,15 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "deltafin", version, about = "Exact Kimi K3 inference with experts streamed from SSDs")]
+#[command(
+    name = "deltafin",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("DELTAFIN_COMMIT"), ")"),
+    about = "Exact Kimi K3 inference with experts streamed from SSDs"
+)]
 struct Cli {
+    /// Compute threads (default: every core). Never changes the output.
+    #[arg(short = 't', long, global = true)]
+    threads: Option<usize>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -43,6 +50,13 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        // The compute pool is rayon's global one; set before anything starts it.
+        if let Err(e) = rayon_threads(n) {
+            eprintln!("error: --threads {n}: {e}");
+            std::process::exit(1);
+        }
+    }
     let result: Result<()> = match cli.cmd {
         Cmd::Run(a) => run::run(a),
         Cmd::Logits(a) => run::logits(a),
@@ -58,4 +72,12 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// Sizes the compute pool (the engine's kernels run on rayon's global pool).
+fn rayon_threads(n: usize) -> Result<()> {
+    anyhow::ensure!(n >= 1, "give at least one thread");
+    // SAFETY: called first thing in main, before any other thread exists to read the environment.
+    unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
+    Ok(())
 }

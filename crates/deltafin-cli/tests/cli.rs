@@ -417,3 +417,15 @@ fn first_hour_mistakes_get_errors_that_say_what_to_do() {
     );
     assert!(err.contains("--stats-json") && err.contains("does not exist") && !err.contains("stats.tmp"), "{err}");
 }
+
+#[test]
+fn version_names_the_commit_and_threads_never_change_the_output() {
+    let v = ok(bin().arg("--version"));
+    let commit = v.split('(').nth(1).unwrap_or("").trim_end().trim_end_matches(')');
+    let hex = commit.split(',').next().unwrap_or("");
+    assert!(hex == "unknown commit" || (hex.len() == 12 && hex.chars().all(|c| c.is_ascii_hexdigit())), "{v}");
+    let run = |threads: &str| {
+        ok(bin().args(["-t", threads, "run", "--ids", PROMPT_IDS, "--max-new", "8", "--print-ids", "--model"]).arg(fixture()))
+    };
+    assert_eq!(run("1"), run("2"));
+}
