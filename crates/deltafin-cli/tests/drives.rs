@@ -49,6 +49,8 @@ fn every_placement_and_drive_count_gives_the_reference_ids_within_stated_capacit
         for placement in ["striped", "weighted", "round-robin"] {
             n += 1;
             let root = tmp.path().join(format!("{n}"));
+            // The drives' mount points exist; setup makes the homes in them.
+            std::fs::create_dir_all(&root).unwrap();
             let mut extra = home_args(&root, &drives[..count]);
             extra.extend(["--placement".to_string(), placement.to_string()]);
             let store = root.join("store");
@@ -79,6 +81,7 @@ fn every_placement_and_drive_count_gives_the_reference_ids_within_stated_capacit
     }
     // Stated capacities that cannot hold the experts: refused before anything is written.
     let root = tmp.path().join("small");
+    std::fs::create_dir_all(&root).unwrap();
     let err = fails(&mut setup(&fixture(), &root.join("store"), &home_args(&root, &[("a", "1M", "1G/s"), ("b", "1M", "1G/s")])));
     assert!(err.contains("cannot hold the experts"), "{err}");
     assert_eq!(pack_bytes(&root.join("a")) + pack_bytes(&root.join("b")), 0);
