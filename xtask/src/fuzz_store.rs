@@ -90,6 +90,8 @@ fn targets(s: &Store) -> Result<BTreeMap<String, PathBuf>> {
 fn setup(bin: &Path, ckpt: &Path, root: &Path) -> Result<Store> {
     let dir = root.join("store");
     let homes: Vec<PathBuf> = (0..2).map(|h| root.join(format!("drive{h}"))).collect();
+    // The drives' mount point: setup makes the homes in it, not the folders above them.
+    std::fs::create_dir_all(root)?;
     let mut c = Command::new(bin);
     c.args(["setup", "--full", "--from"]).arg(ckpt).arg("--out").arg(&dir);
     for h in &homes {
