@@ -260,16 +260,23 @@ extern "C" __global__ void gemv_bf16(const float* __restrict__ xl, const u16* __
     for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;
     if (live) {
         const uint4* row = (const uint4*)(w + ((long)r * 16 + j) * Kl);
+        // Several 16-byte weight loads in flight; each token's 8 inputs as two float4s.
+#pragma unroll 4
         for (int v = 0; v < Kl / 8; v++) {
             uint4 q = __ldg(row + v);
             unsigned words[4] = {q.x, q.y, q.z, q.w};
+            float wv[8];
 #pragma unroll
-            for (int e = 0; e < 8; e++) {
-                float wv = bf16_value((u16)(e & 1 ? words[e / 2] >> 16 : words[e / 2] & 0xffff));
-                int kp = 8 * v + e;
+            for (int e = 0; e < 8; e++) wv[e] = bf16_value((u16)(e & 1 ? words[e / 2] >> 16 : words[e / 2] & 0xffff));
 #pragma unroll
-                for (int t = 0; t < GEMV_TOKENS; t++)
-                    if (t < T) acc[t] = fmaf(xl[((long)j * T + t) * Kl + kp], wv, acc[t]);
+            for (int t = 0; t < GEMV_TOKENS; t++) {
+                if (t < T) {
+                    const float4* x4 = (const float4*)(xl + ((long)j * T + t) * Kl + 8 * v);
+                    float4 a = __ldg(x4), b = __ldg(x4 + 1);
+                    float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[t] = fmaf(x[e], wv[e], acc[t]);
+                }
             }
         }
     }
@@ -291,22 +298,27 @@ extern "C" __global__ void gemv_mxfp4(const float* __restrict__ xl, const u8* __
     if (live) {
         const uint4* row = (const uint4*)(packed + ((long)r * 16 + j) * G);
         const uint4* srow = (const uint4*)(scales + (long)r * G);
+#pragma unroll 2
         for (int v = 0; v < G / 16; v++) {
             uint4 q = __ldg(row + v);
             uint4 sq = __ldg(srow + v);
             const u8* bytes = (const u8*)&q;
             const u8* sb = (const u8*)&sq;
+            // Each token's 32 inputs for these 16 groups, as float4s, in chain order.
 #pragma unroll
-            for (int e = 0; e < 16; e++) {
-                float sc = e8m0_value(sb[e]);
-                float lo = __fmul_rn(E2M1[bytes[e] & 15], sc), hi = __fmul_rn(E2M1[bytes[e] >> 4], sc);
-                int kp = 2 * (16 * v + e);
+            for (int t = 0; t < GEMV_TOKENS; t++) {
+                if (t < T) {
+                    const float4* x4 = (const float4*)(xl + ((long)j * T + t) * Kl + 32 * v);
 #pragma unroll
-                for (int t = 0; t < GEMV_TOKENS; t++) {
-                    if (t < T) {
-                        const float* x = xl + ((long)j * T + t) * Kl + kp;
-                        acc[t] = fmaf(x[0], lo, acc[t]);
-                        acc[t] = fmaf(x[1], hi, acc[t]);
+                    for (int h = 0; h < 8; h++) {
+                        float4 a = __ldg(x4 + h);
+                        // Groups 2h and 2h+1 of the sixteen: low then high nibble of each.
+                        float s0 = e8m0_value(sb[2 * h]), s1 = e8m0_value(sb[2 * h + 1]);
+                        u8 b0 = bytes[2 * h], b1 = bytes[2 * h + 1];
+                        acc[t] = fmaf(a.x, __fmul_rn(E2M1[b0 & 15], s0), acc[t]);
+                        acc[t] = fmaf(a.y, __fmul_rn(E2M1[b0 >> 4], s0), acc[t]);
+                        acc[t] = fmaf(a.z, __fmul_rn(E2M1[b1 & 15], s1), acc[t]);
+                        acc[t] = fmaf(a.w, __fmul_rn(E2M1[b1 >> 4], s1), acc[t]);
                     }
                 }
             }
