@@ -291,7 +291,15 @@ fn benchmark(gpu: &mut Gpu) -> String {
         let flop = 2.0 * (case.tokens * case.rows * case.cols) as f64;
         let (a, c, b) = (median(vector) as f64 / 1e3, median(scalar) as f64 / 1e3, median(theirs) as f64 / 1e3);
         let tf = |secs: f64| flop / secs / 1e12;
-        let _ = writeln!(s, "| {} | {:.1} TFLOP/s | {:.1} TFLOP/s | {:.1} TFLOP/s | {:.0}% |", label(&case), tf(a), tf(c), tf(b), 100.0 * b / a.min(c));
+        let _ = writeln!(
+            s,
+            "| {} | {:.1} TFLOP/s | {:.1} TFLOP/s | {:.1} TFLOP/s | {:.0}% |",
+            label(&case),
+            tf(a),
+            tf(c),
+            tf(b),
+            100.0 * b / a.min(c)
+        );
     }
     let _ = writeln!(s, "\n| one-row product | weight bytes | ours | of the copy rate |\n|---|---|---|---|");
     for case in
