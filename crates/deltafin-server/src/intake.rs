@@ -35,12 +35,7 @@ pub(crate) async fn read_body(s: &AppState, headers: &HeaderMap, body: axum::bod
 /// Text from a client made safe for one log line: control characters escaped (a newline in a
 /// field name cannot forge a line) and the length capped.
 pub(crate) fn loggable(text: &str) -> String {
-    const MAX: usize = 300;
-    let mut out: String = text.chars().take(MAX).flat_map(char::escape_debug).collect();
-    if text.chars().nth(MAX).is_some() {
-        out.push_str("...");
-    }
-    out
+    crate::request::escaped_capped(text, 300)
 }
 
 /// A request's prompt ids, stop ids and tool-turn state, with `max_tokens` settled against the

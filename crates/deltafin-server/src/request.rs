@@ -15,14 +15,19 @@ pub struct ApiError {
     pub kind: &'static str,
 }
 
-/// A client's field name as an error echoes it: control characters escaped and at most 64
-/// characters (a name is the client's text; an error message should not carry a megabyte of it).
-fn echoed_name(name: &str) -> String {
-    let mut out: String = name.chars().take(64).flat_map(char::escape_debug).collect();
-    if name.chars().nth(64).is_some() {
+/// Client text made safe to echo or log: control characters escaped (a newline cannot forge a
+/// log line) and at most `max` characters kept.
+pub(crate) fn escaped_capped(text: &str, max: usize) -> String {
+    let mut out: String = text.chars().take(max).flat_map(char::escape_debug).collect();
+    if text.chars().nth(max).is_some() {
         out.push_str("...");
     }
     out
+}
+
+/// A client's field name as an error echoes it (an error should not carry a megabyte of it).
+fn echoed_name(name: &str) -> String {
+    escaped_capped(name, 64)
 }
 
 impl ApiError {
