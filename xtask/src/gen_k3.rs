@@ -9,7 +9,7 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
@@ -584,27 +584,21 @@ fn write_values(spec: &Spec, seed: u64, out: &mut impl Write) -> Result<()> {
     flush(&mut buf, out, true)
 }
 
-/// The first `n` ranks of the real o200k file (found in the tiktoken-rs package via cargo).
+/// The first `n` ranks of the real o200k file, rebuilt from the copy tiktoken-rs carries inside
+/// itself (each rank's bytes, base64, then the rank): no cargo, no file, so a prebuilt `xtask`
+/// generates models on a machine without a Rust toolchain (the GPU machine).
 fn o200k_prefix(n: usize) -> Result<String> {
-    let out = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["metadata", "--format-version", "1", "--manifest-path", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")])
-        .output()
-        .context("running `cargo metadata` to find the o200k rank file")?;
-    let v: Value = serde_json::from_slice(&out.stdout).context("parsing cargo metadata")?;
-    let pkg = v["packages"]
-        .as_array()
-        .and_then(|a| a.iter().find(|p| p["name"] == "tiktoken-rs"))
-        .context("tiktoken-rs is not in the dependency graph")?;
-    let path = PathBuf::from(pkg["manifest_path"].as_str().context("manifest_path")?)
-        .parent()
-        .context("package dir")?
-        .join("assets/o200k_base.tiktoken");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let lines: Vec<&str> = text.lines().take(n).collect();
-    if lines.len() < n {
-        bail!("{} has only {} ranks", path.display(), lines.len());
+    use base64::Engine as _;
+    let bpe = tiktoken_rs::o200k_base_singleton();
+    let mut out = String::with_capacity(n * 16);
+    for rank in 0..n as u32 {
+        let bytes = bpe.decode_bytes(&[rank]).map_err(|e| anyhow::anyhow!("o200k has no rank {rank} (it has fewer than {n}): {e}"))?;
+        out.push_str(&base64::engine::general_purpose::STANDARD.encode(bytes));
+        out.push(' ');
+        out.push_str(&rank.to_string());
+        out.push('\n');
     }
-    Ok(lines.join("\n") + "\n")
+    Ok(out)
 }
 
 /// K3's `tokenizer_config.json` for a rank file of `n` BPE ranks: its special tokens at the

@@ -4,6 +4,7 @@ mod batch;
 mod chat;
 mod plan;
 mod run;
+mod selftest;
 mod serve;
 mod stats_json;
 mod store_cmds;
@@ -46,6 +47,8 @@ enum Cmd {
     Warm(warm::WarmArgs),
     /// Show what a model keeps in RAM and reads per token under a budget, and project its speed.
     Plan(plan::PlanArgs),
+    /// Check that a backend (a GPU) gives the CPU's bits on these models, case by case.
+    Selftest(selftest::SelftestArgs),
 }
 
 fn main() {
@@ -67,6 +70,7 @@ fn main() {
         Cmd::Batch(a) => batch::run_batch(a),
         Cmd::Warm(a) => warm::run_warm(a),
         Cmd::Plan(a) => plan::run_plan(a),
+        Cmd::Selftest(a) => selftest::run_selftest(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

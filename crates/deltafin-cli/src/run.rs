@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use deltafin::{DraftWith, EngineBuilder, GenerateOptions, Generator, LoadedModel, LogitRows, OnToken, Step};
+use deltafin::{Compute, DraftWith, EngineBuilder, GenerateOptions, Generator, LoadedModel, LogitRows, OnToken, Step};
 use deltafin::{Message, Role};
 
 /// Options shared by every command that opens a model.
@@ -70,6 +70,14 @@ pub struct ModelArgs {
     /// Draft exactly --draft-max tokens at every step instead of letting the cost gate choose.
     #[arg(long)]
     pub draft_fixed: bool,
+    /// What computes: `cpu`, `cuda` (an NVIDIA GPU; an error saying why if none can be used), or
+    /// `auto` (the GPU when one is usable, else the CPU). The output is the same bit for bit.
+    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
+    pub backend: deltafin::BackendChoice,
+    /// Most bytes of weights kept on the GPU, e.g. 20G (default: its free memory less room for
+    /// activations); the rest are uploaded when used.
+    #[arg(long, value_parser = crate::store_cmds::parse_size)]
+    pub gpu_memory: Option<u64>,
 }
 
 impl ModelArgs {
@@ -95,9 +103,18 @@ impl ModelArgs {
     /// Opens with room for `sequences` sequences at once (serve --max-batch, batch) and `kept`
     /// more kept between requests for reuse (serve --keep-states).
     pub fn open_with(&self, sequences: usize, kept: usize) -> Result<LoadedModel> {
+        Ok(self.open_computing(sequences, kept)?.0)
+    }
+    /// [`ModelArgs::open_with`], with what computes (for its stats).
+    pub fn open_computing(&self, sequences: usize, kept: usize) -> Result<(LoadedModel, Compute)> {
         // (shared by run, logits, serve, chat and batch)
         check_model_path(&self.model)?;
-        EngineBuilder::new(&self.model)
+        let compute = Compute::open(self.backend, self.gpu_memory)?;
+        if let Some(note) = compute.note() {
+            eprintln!("{note}");
+        }
+        let model = EngineBuilder::new(&self.model)
+            .backend(compute.backend())
             .max_sequences(sequences)
             .kept_states(kept)
             .context(self.context)
@@ -115,7 +132,8 @@ impl ModelArgs {
             .verified_only(self.verified_only)
             .progress(std::sync::Arc::new(crate::store_cmds::Bars::new()))
             .open()
-            .with_context(|| format!("opening model {}", self.model.display()))
+            .with_context(|| format!("opening model {}", self.model.display()))?;
+        Ok((model, compute))
     }
 }
 
@@ -177,7 +195,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
     }
     let opening = std::time::Instant::now();
-    let model = a.model.open()?;
+    let (model, compute) = a.model.open_computing(1, 0)?;
     // Before the first token too: the spine read and checked, the tokenizer, the readers.
     let open_s = opening.elapsed().as_secs_f64();
     let prompt = prompt_ids(&model, &a)?;
@@ -248,12 +266,24 @@ pub fn run(a: RunArgs) -> Result<()> {
             eprintln!("drafting with {d}");
         }
         eprintln!("opened the model in {open_s:.3} s (before the prompt's TTFT)");
+        eprintln!("computed on {}", compute.name());
+        if let Some(g) = compute.gpu_stats() {
+            eprintln!(
+                "GPU: {:.1} MB of weights uploaded, {:.1} MB kept, {:.1} MB evicted; {} products, {} computed by the CPU instead",
+                g.uploaded_bytes as f64 / 1e6,
+                g.resident_bytes as f64 / 1e6,
+                g.evicted_bytes as f64 / 1e6,
+                g.gpu_products,
+                g.cpu_fallbacks
+            );
+        }
         eprintln!("{}", stats.summary());
     }
     if let Some(path) = &a.stats_json {
         let tmp = path.with_extension("tmp");
         let mut json = crate::stats_json::with_drafter(crate::stats_json::stats_json(&stats), &model);
         json["open_s"] = serde_json::json!(open_s);
+        json["backend"] = serde_json::json!(compute.name());
         std::fs::write(&tmp, serde_json::to_vec_pretty(&json)?).with_context(|| format!("writing {}", path.display()))?;
         std::fs::rename(&tmp, path)?;
     }

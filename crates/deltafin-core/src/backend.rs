@@ -29,6 +29,15 @@ pub struct MlaHead<'a> {
     pub scale: f32,
 }
 
+/// Which routed expert a product is for: a backend may keep experts it has seen (a GPU's memory)
+/// under this name. The bytes handed with it are still the ones to use; a backend that keeps a
+/// copy checks that they are the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ExpertId {
+    pub layer: usize,
+    pub expert: u32,
+}
+
 /// The operations a model runs.
 pub trait Backend: Send + Sync + fmt::Debug {
     /// A short name for logs (`cpu-avx2`).
@@ -40,7 +49,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Dot of two F32 slices, in the fixed order.
     fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32;
     /// One routed expert over latent rows `z`, from its stored MXFP4 bytes.
-    fn expert_forward(&self, cfg: &K3Config, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat>;
+    fn expert_forward(&self, cfg: &K3Config, id: ExpertId, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat>;
     /// One MLA head's attention over every cached key: scores `(q_lat . latent[j] + q_pe . k_pe[j])
     /// * scale` (two dots in the fixed order), a softmax in key order, the latent output
     /// `sum_j p[j] * latent[j]` accumulated in key order, then the head's values: one BF16 dot of
@@ -112,7 +121,7 @@ impl Backend for Cpu {
     fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32 {
         dot_f32(self.isa, a, b)
     }
-    fn expert_forward(&self, cfg: &K3Config, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
+    fn expert_forward(&self, cfg: &K3Config, _id: ExpertId, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
         expert_forward(cfg, self.isa, layout, bytes, z)
     }
     fn situ_in_place(&self, up: &mut [f32], gate: &[f32], beta: f32, lin: f32) {

@@ -28,7 +28,7 @@ mod tokenizer;
 mod weights;
 
 pub use crate::{
-    backend::{Backend, Cpu, MlaHead},
+    backend::{Backend, Cpu, ExpertId, MlaHead},
     chat::{ChatFormat, Message, Role, ToolCall, ToolTurn},
     config::{AttentionKind, ExpertShape, K3Config, MlpKind},
     error::{Error, Result},
@@ -38,7 +38,7 @@ pub use crate::{
         on_compute_threads, permute_for_mxfp4, permute_for_mxfp4_into, row_chunks, Isa, IsaKind, LinedRows, Mxfp4Matrix, PromptKernel,
         LANES,
     },
-    math::{argmax, rms_norm_in_place, situ, softmax_in_place},
+    math::{argmax, rms_norm_in_place, situ, softmax_in_place, TRANSCENDENTAL_CONSTANTS},
     model::{
         chunked_delta_rule, expert_forward, expert_row_chunks, EmbedRows, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine,
         Recording, Residual, Route, LM_PREFIX,
@@ -46,5 +46,5 @@ pub use crate::{
     reply::{Part as ReplyPart, ReplySplitter, ToolEvent},
     tensor::Mat,
     tokenizer::{byte_level_spelling, reserved_token_name, HfTokenizer, StreamDecoder, Tokenizer, K3_PATTERN, RESERVED},
-    weights::{bf16_to_f32, Bf16Matrix, ByteOwner, Bytes, DType, TensorBytes, TensorSource},
+    weights::{bf16_to_f32, Bf16Matrix, ByteOwner, Bytes, BytesId, DType, TensorBytes, TensorSource},
 };

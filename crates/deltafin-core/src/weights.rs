@@ -4,7 +4,7 @@
 //! memory map or a read buffer; the kernels read BF16 and MXFP4 straight from those bytes, so no
 //! weight is ever widened or copied as a whole.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crate::error::{Error, Result};
 
@@ -61,6 +61,39 @@ impl Bytes {
     /// Whether the view is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+    /// Who these bytes are, for a backend that keeps its own copy of them (a GPU): equal ids
+    /// name the same bytes for as long as the id is held, because it keeps the owner's address
+    /// from being reused (see [`BytesId`]).
+    pub fn id(&self) -> BytesId {
+        BytesId { owner: Arc::downgrade(&self.owner), start: self.start, len: self.len }
+    }
+}
+
+/// The identity of a [`Bytes`] view: its owner and range. It holds the owner weakly: the bytes
+/// may go, but while any id is held no other owner can take the same address, so
+/// [`BytesId::key`] never names two different buffers. Owners never change the bytes they lend.
+#[derive(Clone)]
+pub struct BytesId {
+    owner: Weak<dyn ByteOwner>,
+    start: usize,
+    len: usize,
+}
+
+impl BytesId {
+    /// `(owner address, start, len)`: equal keys are the same bytes while this id is held.
+    pub fn key(&self) -> (usize, usize, usize) {
+        (self.owner.as_ptr() as *const u8 as usize, self.start, self.len)
+    }
+    /// Whether the owner still holds the bytes (else a copy kept under this id can go).
+    pub fn alive(&self) -> bool {
+        self.owner.strong_count() > 0
+    }
+}
+
+impl std::fmt::Debug for BytesId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BytesId({:?})", self.key())
     }
 }
 
@@ -169,5 +202,9 @@ impl Bf16Matrix {
     /// Bytes held (for memory accounting).
     pub fn byte_len(&self) -> usize {
         self.bytes.len()
+    }
+    /// The stored BF16 bytes, row-major.
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
     }
 }

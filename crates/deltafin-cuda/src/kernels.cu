@@ -16,8 +16,14 @@
 typedef unsigned short u16;
 typedef unsigned char u8;
 
-__device__ __constant__ float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+// The E2M1 value of a 4-bit code, built from its bits (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+// negatives) rather than looked up: a table in constant memory serializes a warp whose threads
+// read different codes, which held one-row MXFP4 products to 4-5% of the memory bandwidth.
+__device__ __forceinline__ float e2m1_value(unsigned c) {
+    unsigned m = c & 7u;
+    unsigned mag = m < 2u ? (m ? 0x3f000000u : 0u) : (((126u + (m >> 1)) << 23) | ((m & 1u) << 22));
+    return __uint_as_float(mag | ((c & 8u) << 28));
+}
 
 __device__ __forceinline__ float bf16_value(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
 
@@ -72,7 +78,7 @@ struct Mxfp4Rows {
         int g = kp >> 1;
         u8 b = packed[((long)r * 16 + j) * G + g];
         u8 code = (kp & 1) ? (b >> 4) : (b & 15);
-        return __fmul_rn(E2M1[code], e8m0_value(scales[(long)r * G + g]));
+        return __fmul_rn(e2m1_value(code), e8m0_value(scales[(long)r * G + g]));
     }
     // Chain positions kp .. kp+3 (kp a multiple of 4): two groups' bytes of lane j.
     __device__ __forceinline__ void at4(int r, int j, int kp, float* out) const {
@@ -80,10 +86,10 @@ struct Mxfp4Rows {
         const u8* b = packed + ((long)r * 16 + j) * G + g;
         const u8* s = scales + (long)r * G + g;
         float s0 = e8m0_value(s[0]), s1 = e8m0_value(s[1]);
-        out[0] = __fmul_rn(E2M1[b[0] & 15], s0);
-        out[1] = __fmul_rn(E2M1[b[0] >> 4], s0);
-        out[2] = __fmul_rn(E2M1[b[1] & 15], s1);
-        out[3] = __fmul_rn(E2M1[b[1] >> 4], s1);
+        out[0] = __fmul_rn(e2m1_value(b[0] & 15), s0);
+        out[1] = __fmul_rn(e2m1_value(b[0] >> 4), s0);
+        out[2] = __fmul_rn(e2m1_value(b[1] & 15), s1);
+        out[3] = __fmul_rn(e2m1_value(b[1] >> 4), s1);
     }
 };
 
@@ -315,10 +321,10 @@ extern "C" __global__ void gemv_mxfp4(const float* __restrict__ xl, const u8* __
                         // Groups 2h and 2h+1 of the sixteen: low then high nibble of each.
                         float s0 = e8m0_value(sb[2 * h]), s1 = e8m0_value(sb[2 * h + 1]);
                         u8 b0 = bytes[2 * h], b1 = bytes[2 * h + 1];
-                        acc[t] = fmaf(a.x, __fmul_rn(E2M1[b0 & 15], s0), acc[t]);
-                        acc[t] = fmaf(a.y, __fmul_rn(E2M1[b0 >> 4], s0), acc[t]);
-                        acc[t] = fmaf(a.z, __fmul_rn(E2M1[b1 & 15], s1), acc[t]);
-                        acc[t] = fmaf(a.w, __fmul_rn(E2M1[b1 >> 4], s1), acc[t]);
+                        acc[t] = fmaf(a.x, __fmul_rn(e2m1_value(b0 & 15), s0), acc[t]);
+                        acc[t] = fmaf(a.y, __fmul_rn(e2m1_value(b0 >> 4), s0), acc[t]);
+                        acc[t] = fmaf(a.z, __fmul_rn(e2m1_value(b1 & 15), s1), acc[t]);
+                        acc[t] = fmaf(a.w, __fmul_rn(e2m1_value(b1 >> 4), s1), acc[t]);
                     }
                 }
             }
@@ -328,5 +334,70 @@ extern "C" __global__ void gemv_mxfp4(const float* __restrict__ xl, const u8* __
     for (int t = 0; t < GEMV_TOKENS; t++) {
         float s = tree_shuffle(acc[t]);
         if (live && j == 0 && t < T) out[(long)t * R + r] = s;
+    }
+}
+
+// MXFP4 codes as stored, `[rows][G][16]` bytes, to the lane-major `[rows][16][G]` (on the GPU, so
+// an expert's bytes cross the bus once, as read).
+extern "C" __global__ void mxfp4_to_lanes(const u8* __restrict__ raw, int R, int G, u8* __restrict__ out) {
+    long total = (long)R * G * 16;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
+        int j = (int)(i % 16);
+        long rest = i / 16;
+        int g = (int)(rest % G);
+        long r = rest / G;
+        out[(r * 16 + j) * G + g] = raw[i];
+    }
+}
+
+// The engine's own exp and tanh (deltafin-core's math/transcendental.rs), operation for operation:
+// IEEE adds, multiplies and divides, each rounded once (no contraction), with its constants, whose
+// bits the host defines as DF_* when it compiles this file.
+__device__ __forceinline__ float df_exp(float x) {
+    // Rust's clamp: NaN passes through.
+    if (x < -104.0f) x = -104.0f;
+    if (x > 89.0f) x = 89.0f;
+    float t = __fadd_rn(__fmul_rn(x, DF_LOG2E), DF_ROUND);
+    float n = __fsub_rn(t, DF_ROUND);
+    float r = __fsub_rn(__fsub_rn(x, __fmul_rn(n, DF_LN2_HI)), __fmul_rn(n, DF_LN2_LO));
+    float p = DF_EXP_P4;
+    p = __fadd_rn(__fmul_rn(p, r), DF_EXP_P3);
+    p = __fadd_rn(__fmul_rn(p, r), DF_EXP_P2);
+    p = __fadd_rn(__fmul_rn(p, r), DF_EXP_P1);
+    p = __fadd_rn(__fmul_rn(p, r), DF_EXP_P0);
+    float y = __fadd_rn(__fadd_rn(__fmul_rn(__fmul_rn(r, r), p), r), 1.0f);
+    // Wrapping integer arithmetic, as the Rust does.
+    int ni = (int)(__float_as_uint(t) - __float_as_uint(DF_ROUND));
+    int n1 = ni >> 1;
+    int n2 = (int)((unsigned)ni - (unsigned)n1);
+    float s1 = __uint_as_float(((unsigned)n1 + 127u) << 23);
+    float s2 = __uint_as_float(((unsigned)n2 + 127u) << 23);
+    return __fmul_rn(__fmul_rn(y, s1), s2);
+}
+
+__device__ __forceinline__ float df_tanh(float x) {
+    float a = fabsf(x);
+    float z = __fmul_rn(x, x);
+    float q = DF_TANH_Q6;
+    q = __fadd_rn(__fmul_rn(q, z), DF_TANH_Q5);
+    q = __fadd_rn(__fmul_rn(q, z), DF_TANH_Q4);
+    q = __fadd_rn(__fmul_rn(q, z), DF_TANH_Q3);
+    q = __fadd_rn(__fmul_rn(q, z), DF_TANH_Q2);
+    q = __fadd_rn(__fmul_rn(q, z), DF_TANH_Q1);
+    q = __fadd_rn(__fmul_rn(q, z), DF_TANH_Q0);
+    float small = __fadd_rn(__fmul_rn(__fmul_rn(a, z), q), a);
+    float big = __fsub_rn(1.0f, __fdiv_rn(2.0f, __fadd_rn(df_exp(__fadd_rn(a, a)), 1.0f)));
+    return copysignf(a < DF_TANH_SMALL ? small : big, x);
+}
+
+__device__ __forceinline__ float df_sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, df_exp(-x))); }
+
+// up[i] = situ(up[i], gate[i], beta, lin) = beta tanh(g / beta) sigmoid(g) * lin tanh(u / lin),
+// multiplied in the CPU's order.
+extern "C" __global__ void situ_inplace(float* __restrict__ up, const float* __restrict__ gate, long n, float beta, float lin) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float g = gate[i];
+        float a = __fmul_rn(__fmul_rn(beta, df_tanh(__fdiv_rn(g, beta))), df_sigmoid(g));
+        up[i] = __fmul_rn(a, __fmul_rn(lin, df_tanh(__fdiv_rn(up[i], lin))));
     }
 }

@@ -1,5 +1,8 @@
 //! The GPU's weight layout: each row lane-major, so lane j's chain reads contiguous bytes (see
-//! `kernels.cu`). Permuted once, on the host, when the weights are uploaded.
+//! `kernels.cu`). BF16 is permuted on the host when it is uploaded; MXFP4 experts cross the bus as
+//! stored and are permuted by `mxfp4_to_lanes` on the GPU (`mxfp4_lanes` is its reference).
+
+use rayon::prelude::*;
 
 /// A BF16 matrix `[rows, cols]` (little-endian bytes) as `[rows][16][cols/16]` values.
 pub fn bf16_lanes(rows: usize, cols: usize, bytes: &[u8]) -> Result<Vec<u16>, String> {
@@ -8,14 +11,16 @@ pub fn bf16_lanes(rows: usize, cols: usize, bytes: &[u8]) -> Result<Vec<u16>, St
     }
     let kl = cols / 16;
     let mut out = vec![0u16; rows * cols];
-    for r in 0..rows {
-        let row = &bytes[r * cols * 2..(r + 1) * cols * 2];
-        let dst = &mut out[r * cols..(r + 1) * cols];
+    if cols == 0 {
+        return Ok(out);
+    }
+    // Rows on every core: a model's spine is permuted once, when it first reaches the GPU.
+    out.par_chunks_mut(cols).zip(bytes.par_chunks(cols * 2)).for_each(|(dst, row)| {
         for c in 0..cols {
             let (m, j) = (c / 16, c % 16);
             dst[j * kl + m] = u16::from_le_bytes([row[2 * c], row[2 * c + 1]]);
         }
-    }
+    });
     Ok(out)
 }
 

@@ -19,22 +19,45 @@
 //! This crate is the kernel layer of the CUDA backend: the backend seam that runs whole layer
 //! phases on the GPU is not here yet.
 
+mod backend;
 mod layout;
 mod libs;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+pub use backend::{CudaBackend, CudaStats};
 
 pub use layout::{bf16_lanes, mxfp4_lanes};
 pub use libs::{load_nvrtc, NVRTC_WHEEL};
 
-/// The kernels' CUDA C source.
+/// The kernels' CUDA C source, without the constants [`kernel_source`] puts before it.
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Every kernel the source defines.
-pub const KERNEL_NAMES: &[&str] =
-    &["x_to_lanes", "lane_gemm_bf16", "lane_gemm_mxfp4", "lane_gemm4_bf16", "lane_gemm4_mxfp4", "lane_tree", "gemv_bf16", "gemv_mxfp4"];
+pub const KERNEL_NAMES: &[&str] = &[
+    "x_to_lanes",
+    "lane_gemm_bf16",
+    "lane_gemm_mxfp4",
+    "lane_gemm4_bf16",
+    "lane_gemm4_mxfp4",
+    "lane_tree",
+    "gemv_bf16",
+    "gemv_mxfp4",
+    "mxfp4_to_lanes",
+    "situ_inplace",
+];
+
+/// The source NVRTC compiles: `exp`/`tanh`'s constants as core defines them (their exact bits, so
+/// the two sides cannot drift apart), then [`KERNELS`].
+pub fn kernel_source() -> String {
+    let mut src = String::from("// Generated from deltafin_core::TRANSCENDENTAL_CONSTANTS.\n");
+    for (name, v) in deltafin_core::TRANSCENDENTAL_CONSTANTS {
+        src.push_str(&format!("#define DF_{name} __uint_as_float({:#010x}u) // {v:e}\n", v.to_bits()));
+    }
+    src + KERNELS
+}
 
 /// Which lane GEMM runs a many-row product: both give the same bits; the benchmark sets them side
 /// by side.
@@ -87,7 +110,7 @@ pub fn compile_ptx(arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
         name: Some("deltafin_kernels.cu".into()),
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| GpuError::Compile(e.to_string()))
+    cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| GpuError::Compile(e.to_string()))
 }
 
 /// The NVRTC architecture name of compute capability `major.minor`.
@@ -203,9 +226,47 @@ impl Gpu {
         Ok(GpuWeights::Mxfp4 { rows, cols, packed: self.stream.clone_htod(&lanes)?, scales: self.stream.clone_htod(scales)? })
     }
 
+    /// Uploads an MXFP4 matrix from its bytes as stored and lays it lane-major on the GPU (the
+    /// bytes cross the bus once, unpermuted).
+    pub fn upload_mxfp4_raw(&self, rows: usize, cols: usize, packed: &[u8], scales: &[u8]) -> Result<GpuWeights> {
+        if !cols.is_multiple_of(32) || packed.len() != rows * cols / 2 || scales.len() != rows * cols / 32 {
+            return Err(GpuError::Shape(format!("MXFP4 [{rows}, {cols}]: {} code and {} scale bytes", packed.len(), scales.len())));
+        }
+        let raw = self.stream.clone_htod(packed)?;
+        let mut lanes = self.stream.alloc_zeros::<u8>(packed.len().max(1))?;
+        let (r, g) = (rows as i32, (cols / 32) as i32);
+        let mut b = self.stream.launch_builder(&self.funcs["mxfp4_to_lanes"]);
+        b.arg(&raw).arg(&r).arg(&g).arg(&mut lanes);
+        // SAFETY: both buffers hold rows * cols / 2 bytes (checked above).
+        unsafe { b.launch(grid_1d(packed.len())) }?;
+        Ok(GpuWeights::Mxfp4 { rows, cols, packed: lanes, scales: self.stream.clone_htod(scales)? })
+    }
+
+    /// `up[i] = situ(up[i], gate[i], beta, lin)` on the GPU, with core's `exp`/`tanh` (the CPU's
+    /// bits). Asynchronous on [`Gpu::stream`].
+    pub fn situ(&self, up: &mut CudaViewMut<'_, f32>, gate: &CudaView<'_, f32>, beta: f32, lin: f32) -> Result<()> {
+        let n = up.len().min(gate.len());
+        if n == 0 {
+            return Ok(());
+        }
+        let len = n as i64;
+        let mut b = self.stream.launch_builder(&self.funcs["situ_inplace"]);
+        b.arg(&mut *up).arg(gate).arg(&len).arg(&beta).arg(&lin);
+        // SAFETY: both views hold at least n values.
+        unsafe { b.launch(grid_1d(n)) }?;
+        Ok(())
+    }
+
     /// `out[t][r] = dot(x[t], w[r])` for `tokens` rows of `x` (`[tokens, cols]` F32 on the GPU) into
     /// `out` (`[tokens, rows]`), every value in the canonical order. Asynchronous on [`Gpu::stream`].
-    pub fn matmul(&self, x: &CudaSlice<f32>, tokens: usize, w: &GpuWeights, out: &mut CudaSlice<f32>, ws: &mut Workspace) -> Result<()> {
+    pub fn matmul(
+        &self,
+        x: &CudaView<'_, f32>,
+        tokens: usize,
+        w: &GpuWeights,
+        out: &mut CudaViewMut<'_, f32>,
+        ws: &mut Workspace,
+    ) -> Result<()> {
         let (rows, cols) = w.shape();
         if x.len() < tokens * cols || out.len() < tokens * rows {
             return Err(GpuError::Shape(format!("matmul: {tokens} x {cols} input and {tokens} x {rows} output needed")));
@@ -282,7 +343,7 @@ impl Gpu {
         let xd = self.stream.clone_htod(x)?;
         let mut out = self.stream.alloc_zeros::<f32>((tokens * rows).max(1))?;
         let mut ws = Workspace::default();
-        self.matmul(&xd, tokens, w, &mut out, &mut ws)?;
+        self.matmul(&xd.as_view(), tokens, w, &mut out.as_view_mut(), &mut ws)?;
         let mut v = self.stream.clone_dtoh(&out)?;
         v.truncate(tokens * rows);
         Ok(v)

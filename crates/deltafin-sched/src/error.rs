@@ -12,6 +12,10 @@ pub enum Error {
     /// The generation was cancelled (its client went away).
     #[error("cancelled")]
     Cancelled,
+    /// The compute backend asked for cannot be used (no GPU, no driver, too little memory, a
+    /// kernel that does not load); the message names the cause.
+    #[error("{0}")]
+    Backend(String),
     /// A request the engine cannot honor (empty prompt, bad option).
     #[error("{0}")]
     Invalid(String),

@@ -66,8 +66,11 @@ impl ComputeRates {
             }
             t.elapsed().as_secs_f64() / reps as f64
         };
-        let expert_token_s = time(20, &mut || drop(backend.expert_forward(cfg, &layout, &expert, &z1)));
-        let expert_prompt_token_s = time(2, &mut || drop(backend.expert_forward(cfg, &layout, &expert, &z64))) / 64.0;
+        let expert_token_s =
+            time(20, &mut || drop(backend.expert_forward(cfg, deltafin_core::ExpertId { layer: 0, expert: 0 }, &layout, &expert, &z1)));
+        let expert_prompt_token_s =
+            time(2, &mut || drop(backend.expert_forward(cfg, deltafin_core::ExpertId { layer: 0, expert: 0 }, &layout, &expert, &z64)))
+                / 64.0;
         let n = 7168;
         // BF16 values: the high halves of small f32s.
         let w: Vec<u8> =

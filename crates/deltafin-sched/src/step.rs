@@ -321,7 +321,7 @@ impl Engine {
             report.read_wait += t0.elapsed();
             let bytes = bytes?;
             let rows = &wanted.iter().find(|(id, _)| *id == e).expect("delivered an expert that was not requested").1;
-            let y = model.expert(&layout, bytes.as_slice(), &z.gather(rows))?;
+            let y = model.expert(l, e, &layout, bytes.as_slice(), &z.gather(rows))?;
             combine.add(e, rows, &y);
         }
         Ok(model.moe_finish(l, combine.finish(), shared))

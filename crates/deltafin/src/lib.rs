@@ -21,6 +21,8 @@
 //!   reports through an [`Output`]; its [`Engine`] runs one forward pass over several sequences at
 //!   a time ([`Engine::step`] with [`Slot`]s).
 //! - Text: K3's [`Tokenizer`] and its chat format ([`ChatFormat`], [`Message`], [`Role`]).
+//! - Compute: [`Compute`] opens the CPU's kernels or a CUDA GPU ([`BackendChoice`]); both give
+//!   the same bits.
 //! - Stores: [`setup`] installs a checkpoint over drives, [`doctor`] checks one, [`repair`] fixes one.
 //!
 //! Types that may gain fields or variants are `#[non_exhaustive]`; options are built with
@@ -29,6 +31,10 @@
 #![deny(missing_docs)]
 
 use std::path::Path;
+
+mod compute;
+
+pub use compute::{BackendChoice, Compute, GpuStats};
 
 pub use deltafin_core::{
     reserved_token_name, Backend, ChatFormat, Cpu, Isa, IsaKind, Mat, Message, ReplyPart, ReplySplitter, Role, StreamDecoder, Tokenizer,

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use deltafin_core::{
-    expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4_into, Backend, Bf16Matrix, Bytes, Cpu,
+    expert_row_chunks, for_row_chunks, matmul_bf16_with, matmul_mxfp4, permute_for_mxfp4_into, Backend, Bf16Matrix, Bytes, Cpu, ExpertId,
     ExpertLayout, K3Config, LinedRows, Mat, MlaHead, Mxfp4Matrix,
 };
 
@@ -189,9 +189,9 @@ impl Backend for Tally {
     fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32 {
         self.cpu.dot_f32(a, b)
     }
-    fn expert_forward(&self, cfg: &K3Config, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> deltafin_core::Result<Mat> {
+    fn expert_forward(&self, cfg: &K3Config, id: ExpertId, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> deltafin_core::Result<Mat> {
         let s = layout.shape;
-        self.add(0, 2 * 3 * z.rows * s.inter * s.latent, z.rows, || self.cpu.expert_forward(cfg, layout, bytes, z))
+        self.add(0, 2 * 3 * z.rows * s.inter * s.latent, z.rows, || self.cpu.expert_forward(cfg, id, layout, bytes, z))
     }
     fn mla_attend(&self, head: MlaHead<'_>, w_v: &Bf16Matrix, values: std::ops::Range<usize>) -> Vec<f32> {
         self.cpu.mla_attend(head, w_v, values)

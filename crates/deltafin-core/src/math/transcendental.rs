@@ -24,6 +24,28 @@ const EXP_P: [f32; 5] = [0.499_999_94, 0.166_665_09, 0.041_668_53, 0.008_370_141
 const TANH_SMALL: f32 = 0.75;
 const TANH_Q: [f32; 7] = [-0.333_333_3, 0.133_332_77, -0.053_959_582, 0.021_804_366, -0.008_596_675, 0.002_969_727_6, -0.000_632_814_95];
 
+/// Every constant [`exp`] and [`tanh`] use, by name, for a backend that runs the same operations
+/// elsewhere (the CUDA kernels are compiled with these bits, so both sides share one source).
+pub const CONSTANTS: &[(&str, f32)] = &[
+    ("ROUND", ROUND),
+    ("LOG2E", LOG2E),
+    ("LN2_HI", LN2_HI),
+    ("LN2_LO", LN2_LO),
+    ("EXP_P0", EXP_P[0]),
+    ("EXP_P1", EXP_P[1]),
+    ("EXP_P2", EXP_P[2]),
+    ("EXP_P3", EXP_P[3]),
+    ("EXP_P4", EXP_P[4]),
+    ("TANH_SMALL", TANH_SMALL),
+    ("TANH_Q0", TANH_Q[0]),
+    ("TANH_Q1", TANH_Q[1]),
+    ("TANH_Q2", TANH_Q[2]),
+    ("TANH_Q3", TANH_Q[3]),
+    ("TANH_Q4", TANH_Q[4]),
+    ("TANH_Q5", TANH_Q[5]),
+    ("TANH_Q6", TANH_Q[6]),
+];
+
 /// `e^x`, NaN for NaN, `+inf` above ~88.72, `0` below ~-103.97, subnormals rounded once.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {

@@ -394,9 +394,9 @@ impl Model {
         self.with_moe(l, |m| m.latent_in(&*self.backend, x))
     }
 
-    /// One routed expert over latent rows, from its stored bytes.
-    pub fn expert(&self, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
-        self.backend.expert_forward(&self.config, layout, bytes, z)
+    /// Routed expert `expert` of layer `l` over latent rows, from its stored bytes.
+    pub fn expert(&self, l: usize, expert: u32, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat> {
+        self.backend.expert_forward(&self.config, crate::backend::ExpertId { layer: l, expert }, layout, bytes, z)
     }
 
     /// The shared experts of MoE layer `l` over its MLP input (`None` if it has none).

@@ -9,9 +9,14 @@
 //! `deltafin_core::dot_bf16` / `dot_mxfp4` on this CPU (all values of the smaller products, a
 //! sample of the larger). Exit 1 on any difference.
 //!
+//! Then SiTU on the GPU (core's `exp`/`tanh`) against the CPU's over special, boundary and random
+//! values, and whole experts through the CUDA backend against `Cpu::expert_forward`.
+//!
 //! `--bench`: each product against cuBLAS's FP32 SGEMM on the same shape (without TF32), and the
 //! one-row products against the device's copy rate, alternated and timed with device events (the
 //! median of 15 each), every ratio from this run. `--out` writes the table as Markdown.
+
+mod backend_checks;
 
 use std::fmt::Write as _;
 
@@ -194,6 +199,15 @@ fn main() {
         let _ = writeln!(report, "| {what} | {n} | {bad} |");
         eprintln!("{what}: {n} values, {bad} differ");
     }
+    let mut more = backend_checks::situ_check(&gpu);
+    let backend = deltafin_cuda::CudaBackend::open(0, None).unwrap_or_else(|e| fail(&e.to_string()));
+    more.extend(backend_checks::expert_check(&backend));
+    for (what, n, bad) in more {
+        total_bad += bad;
+        let _ = writeln!(report, "| {what} | {n} | {bad} |");
+        eprintln!("{what}: {n} values, {bad} differ");
+    }
+    drop(backend);
     if bench {
         report.push('\n');
         report.push_str(&benchmark(&mut gpu));
@@ -276,9 +290,9 @@ fn benchmark(gpu: &mut Gpu) -> String {
         let (mut vector, mut scalar, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..17 {
             gpu.lane_gemm = LaneGemm::Vector;
-            let a = time_ms(&stream, &mut || gpu.matmul(&x, case.tokens, &w, &mut out, &mut ws).expect("matmul"));
+            let a = time_ms(&stream, &mut || gpu.matmul(&x.as_view(), case.tokens, &w, &mut out.as_view_mut(), &mut ws).expect("matmul"));
             gpu.lane_gemm = LaneGemm::Scalar;
-            let c = time_ms(&stream, &mut || gpu.matmul(&x, case.tokens, &w, &mut out, &mut ws).expect("matmul"));
+            let c = time_ms(&stream, &mut || gpu.matmul(&x.as_view(), case.tokens, &w, &mut out.as_view_mut(), &mut ws).expect("matmul"));
             // SAFETY: the buffers hold the shapes the config names.
             let b = time_ms(&stream, &mut || unsafe { blas.gemm(cfg, &wf, &x, &mut cf) }.expect("sgemm"));
             if round >= 2 {
@@ -310,8 +324,12 @@ fn benchmark(gpu: &mut Gpu) -> String {
         let x = stream.clone_htod(&h.x).expect("upload");
         let mut out = stream.alloc_zeros::<f32>(case.rows).expect("alloc");
         let mut ws = Workspace::default();
-        let ms =
-            median((0..17).map(|_| time_ms(&stream, &mut || gpu.matmul(&x, 1, &w, &mut out, &mut ws).expect("matmul"))).skip(2).collect());
+        let ms = median(
+            (0..17)
+                .map(|_| time_ms(&stream, &mut || gpu.matmul(&x.as_view(), 1, &w, &mut out.as_view_mut(), &mut ws).expect("matmul")))
+                .skip(2)
+                .collect(),
+        );
         let rate = w.bytes() as f64 / (ms as f64 / 1e3);
         let _ = writeln!(
             s,
