@@ -102,9 +102,13 @@ enum Cmd {
         /// `ab` only: the revision to compare this tree against.
         #[arg(long)]
         base: Option<String>,
-        /// `ab` only: the `gen-k3` preset both revisions run (`slice` has K3's own widths).
+        /// `ab`: the `gen-k3` preset both revisions run (`slice` has K3's own widths); `gpu`: a
+        /// preset or a checkpoint folder.
         #[arg(long, default_value = "small")]
         model: String,
+        /// `gpu` only: prompt tokens.
+        #[arg(long, default_value_t = 512)]
+        prompt: usize,
     },
     /// Run the kernel and fixture tests for aarch64 under qemu (NEON), needs Debian's
     /// qemu-user, gcc-aarch64-linux-gnu and `rustup target add aarch64-unknown-linux-gnu`.
@@ -148,8 +152,8 @@ fn main() -> Result<()> {
         Cmd::ExportTrained { from, out } => xtask::trained::export(&from, &out),
         Cmd::GenQwen3 { seed, vocab_from, out } => xtask::gen_qwen3::generate(seed, vocab_from.as_deref(), &out),
         Cmd::Demo { prompt, max_new, ram_budget } => xtask::demo::demo(&prompt, max_new, &ram_budget),
-        Cmd::Bench { which, quick, json, limiter, base, model } => {
-            xtask::bench::run(which, quick, json.as_deref(), limiter, base.as_deref(), &model)
+        Cmd::Bench { which, quick, json, limiter, base, model, prompt } => {
+            xtask::bench::run(which, quick, json.as_deref(), limiter, base.as_deref(), &model, prompt)
         }
         Cmd::TestAarch64 => {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());

@@ -269,7 +269,8 @@ pub fn run(a: RunArgs) -> Result<()> {
         eprintln!("computed on {}", compute.name());
         if let Some(g) = compute.gpu_stats() {
             eprintln!(
-                "GPU: {:.1} MB of weights uploaded, {:.1} MB kept, {:.1} MB evicted; {} products, {} computed by the CPU instead",
+                "GPU: {:.3} s in its operations (copies included); {:.1} MB of weights uploaded, {:.1} MB kept, {:.1} MB evicted; {} products, {} computed by the CPU instead",
+                g.gpu_s,
                 g.uploaded_bytes as f64 / 1e6,
                 g.resident_bytes as f64 / 1e6,
                 g.evicted_bytes as f64 / 1e6,
@@ -284,6 +285,17 @@ pub fn run(a: RunArgs) -> Result<()> {
         let mut json = crate::stats_json::with_drafter(crate::stats_json::stats_json(&stats), &model);
         json["open_s"] = serde_json::json!(open_s);
         json["backend"] = serde_json::json!(compute.name());
+        json["gpu"] = match compute.gpu_stats() {
+            Some(g) => serde_json::json!({
+                "gpu_s": g.gpu_s,
+                "uploaded_bytes": g.uploaded_bytes,
+                "resident_bytes": g.resident_bytes,
+                "evicted_bytes": g.evicted_bytes,
+                "gpu_products": g.gpu_products,
+                "cpu_fallbacks": g.cpu_fallbacks,
+            }),
+            None => serde_json::Value::Null,
+        };
         std::fs::write(&tmp, serde_json::to_vec_pretty(&json)?).with_context(|| format!("writing {}", path.display()))?;
         std::fs::rename(&tmp, path)?;
     }

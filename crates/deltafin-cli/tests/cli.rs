@@ -429,3 +429,32 @@ fn version_names_the_commit_and_threads_never_change_the_output() {
     };
     assert_eq!(run("1"), run("2"));
 }
+
+/// `--backend`: `cpu` and `auto` give the reference ids; `cuda` gives them too where a GPU can be
+/// used, and elsewhere fails with the cause (never a silent CPU run); `selftest` holds a backend to
+/// the CPU's bits and says what it compared.
+#[test]
+fn every_backend_choice_gives_the_reference_ids_or_says_why_not() {
+    let f = fixture();
+    let run = |backend: &str| {
+        let mut c = bin();
+        c.args(["run", "--model"]).arg(&f).args(["--ids", PROMPT_IDS, "--max-new", "16", "--print-ids", "--backend", backend]);
+        c
+    };
+    for backend in ["cpu", "auto"] {
+        assert_eq!(ok(&mut run(backend)).trim(), REFERENCE_GREEDY, "--backend {backend}");
+    }
+    let out = run("cuda").output().unwrap();
+    if out.status.success() {
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), REFERENCE_GREEDY, "--backend cuda");
+    } else {
+        let err = fails(&mut run("cuda"));
+        assert!(err.contains("--backend cuda:") && (err.contains("driver") || err.contains("device") || err.contains("NVRTC")), "{err}");
+        assert!(out.stdout.is_empty(), "no token without the GPU asked for");
+    }
+    // (a usage error: clap's exit status 2)
+    let out = bin().args(["run", "--model"]).arg(&f).args(["--ids", "1", "--backend", "gpu"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("use cpu, cuda or auto"));
+    let out = ok(bin().args(["selftest", "--backend", "cpu", "--prompt", "12", "--model"]).arg(&f));
+    assert!(out.contains("9 cases") && out.contains("every one the CPU's bits"), "{out}");
+}

@@ -33,7 +33,7 @@ pub const WORKING_RESERVE: usize = 3 << 30;
 const PARTIAL_MAX: usize = 512 << 20;
 
 /// What the backend has done, for stats and tests.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CudaStats {
     /// Weight bytes copied to the GPU.
     pub uploaded_bytes: u64,
@@ -45,6 +45,9 @@ pub struct CudaStats {
     pub gpu_products: u64,
     /// Operations the CPU computed instead (same bits).
     pub cpu_fallbacks: u64,
+    /// Seconds spent in the GPU's operations, uploads and copies of activations included (what
+    /// the rest of a run's time is not).
+    pub gpu_s: f64,
 }
 
 struct SpineEntry {
@@ -299,7 +302,10 @@ impl Backend for CudaBackend {
             return Mat::zeros(x.rows, w.rows);
         }
         let mut r = self.lock();
-        match self.try_matmul_bf16(&mut r, x, w) {
+        let t0 = std::time::Instant::now();
+        let result = self.try_matmul_bf16(&mut r, x, w);
+        r.stats.gpu_s += t0.elapsed().as_secs_f64();
+        match result {
             Ok(m) => m,
             Err(e) => {
                 self.fell_back(&mut r, "a BF16 product", &e);
@@ -321,7 +327,10 @@ impl Backend for CudaBackend {
             return Ok(Mat::zeros(0, layout.shape.latent));
         }
         let mut r = self.lock();
-        match self.try_expert(&mut r, cfg, id, layout, bytes, z) {
+        let t0 = std::time::Instant::now();
+        let result = self.try_expert(&mut r, cfg, id, layout, bytes, z);
+        r.stats.gpu_s += t0.elapsed().as_secs_f64();
+        match result {
             Ok(m) => Ok(m),
             Err(e) => {
                 self.fell_back(&mut r, "an expert", &e);

@@ -11,6 +11,7 @@ mod capped;
 mod device;
 mod engine_runs;
 mod flops;
+mod gpu;
 mod k3;
 mod ladder;
 mod spec;
@@ -46,6 +47,9 @@ pub enum Which {
     Trained,
     /// This tree against `--base REV` (not part of `all`).
     Ab,
+    /// The engine on the CPU and on a CUDA GPU over `--model` (a folder, or a preset generated
+    /// under models/), `--prompt` tokens; not part of `all` (needs a GPU).
+    Gpu,
     All,
 }
 
@@ -192,12 +196,28 @@ fn decode_json(d: &[engine_runs::DecodeResult], compute_step: f64) -> serde_json
 }
 
 /// Runs `which` and updates the report.
-pub fn run(which: Which, quick: bool, json_out: Option<&Path>, limiter: ladder::Limiter, base: Option<&str>, model: &str) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    which: Which,
+    quick: bool,
+    json_out: Option<&Path>,
+    limiter: ladder::Limiter,
+    base: Option<&str>,
+    model: &str,
+    prompt: usize,
+) -> Result<()> {
     let docs = root().join("docs");
     let bench_dir = docs.join("bench");
     std::fs::create_dir_all(&bench_dir)?;
     let q = if quick { " --quick" } else { "" };
     let mut json = serde_json::Map::new();
+    if which == Which::Gpu {
+        let path = if Path::new(model).join("config.json").exists() { PathBuf::from(model) } else { ensure_model(model)?.0 };
+        let md = gpu::run(&path, prompt, 3)?;
+        println!("{md}");
+        std::fs::write(bench_dir.join("gpu-engine.md"), &md)?;
+        return Ok(());
+    }
     if which == Which::Ab {
         let base = base.context("`bench ab` needs --base REV (a commit to compare against)")?;
         // One section per model: `ab` for `small`, `ab-slice` for `slice`, ...
