@@ -70,9 +70,11 @@ pub struct ModelArgs {
     /// Draft exactly --draft-max tokens at every step instead of letting the cost gate choose.
     #[arg(long)]
     pub draft_fixed: bool,
-    /// What computes: `cpu`, `cuda` (an NVIDIA GPU; an error saying why if none can be used), or
-    /// `auto` (the GPU when one is usable, else the CPU). The output is the same bit for bit.
-    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
+    /// What computes: `cpu`, `cuda` (an NVIDIA GPU, checked against the CPU's bits when it opens;
+    /// an error saying why if it cannot be used), or `auto` (the GPU when one is usable, else the
+    /// CPU). The output is the same bit for bit. (`cpu` stays the default until the CUDA backend
+    /// has passed its proof on real hardware: docs/gpu/.)
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|auto")]
     pub backend: deltafin::BackendChoice,
     /// Most bytes of weights kept on the GPU, e.g. 20G (default: its free memory less room for
     /// activations); the rest are uploaded when used.

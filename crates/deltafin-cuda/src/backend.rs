@@ -134,9 +134,12 @@ impl std::fmt::Debug for CudaBackend {
 impl CudaBackend {
     /// Opens device `ordinal` with at most `weight_budget` bytes of weights kept on it (default:
     /// the free memory less [`WORKING_RESERVE`]). Fails, saying why, where there is no driver, no
-    /// such device, no NVRTC, too little memory, or a kernel that does not build or load.
+    /// such device, no NVRTC, too little memory, a kernel that does not build or load, or a
+    /// [`crate::probe`] value that differs from the CPU's.
     pub fn open(ordinal: usize, weight_budget: Option<u64>) -> Result<CudaBackend> {
         let gpu = Gpu::open(ordinal)?;
+        // Before anything computes: this GPU gives the CPU's bits, or it is not used.
+        crate::probe(&gpu)?;
         let (free, _total) = gpu.context().mem_get_info()?;
         let budget = match weight_budget {
             Some(b) if b as usize + WORKING_RESERVE.min(free / 4) > free => {

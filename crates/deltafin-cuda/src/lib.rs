@@ -22,6 +22,7 @@
 mod backend;
 mod layout;
 mod libs;
+mod probe;
 
 use std::sync::Arc;
 
@@ -31,6 +32,7 @@ pub use backend::{CudaBackend, CudaStats};
 
 pub use layout::{bf16_lanes, mxfp4_lanes};
 pub use libs::{load_nvrtc, NVRTC_WHEEL};
+pub use probe::{probe, Values};
 
 /// The kernels' CUDA C source, without the constants [`kernel_source`] puts before it.
 pub const KERNELS: &str = include_str!("kernels.cu");
@@ -90,6 +92,8 @@ pub enum GpuError {
     Cublas(String),
     #[error("{0}")]
     Shape(String),
+    #[error("the GPU's check against the CPU failed: {0}")]
+    Mismatch(String),
 }
 
 /// Result alias of this crate.

@@ -16,9 +16,9 @@ pub use deltafin_cuda::CudaStats as GpuStats;
 #[non_exhaustive]
 pub enum BackendChoice {
     /// The GPU when one is usable, else the CPU.
-    #[default]
     Auto,
     /// The CPU's kernels (the fastest instruction set this CPU runs).
+    #[default]
     Cpu,
     /// The first CUDA GPU; an error naming the cause if it cannot be used.
     Cuda,

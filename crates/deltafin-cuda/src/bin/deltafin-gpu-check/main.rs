@@ -26,20 +26,7 @@ use deltafin_core::{dot_bf16, dot_mxfp4, permute_for_mxfp4, Isa};
 use deltafin_cuda::{Gpu, GpuWeights, LaneGemm, Workspace};
 use rayon::prelude::*;
 
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        // Full-mantissa values in [-1, 1): every product and sum rounds.
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+use deltafin_cuda::Values as Rng;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
