@@ -12,7 +12,7 @@ use crate::{Gpu, GpuError, Result};
 pub struct Values(pub u64);
 impl Values {
     /// The next 64 random bits.
-    pub fn next(&mut self) -> u64 {
+    pub fn bits(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -20,7 +20,7 @@ impl Values {
     }
     /// A value in [-1, 1) with a full mantissa: every product and sum rounds.
     pub fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        (self.bits() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 }
 
@@ -57,8 +57,8 @@ pub fn probe(gpu: &Gpu) -> Result<()> {
     }
     // MXFP4 as experts arrive (permuted on the GPU), scales down to the subnormal 2^-127.
     let (rows, cols) = (16, 512);
-    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| v.next() as u8).collect();
-    let scales: Vec<u8> = (0..rows * cols / 32).map(|i| if i % 5 == 0 { (i % 3) as u8 } else { 118 + (v.next() % 12) as u8 }).collect();
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| v.bits() as u8).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32).map(|i| if i % 5 == 0 { (i % 3) as u8 } else { 118 + (v.bits() % 12) as u8 }).collect();
     let gw = gpu.upload_mxfp4_raw(rows, cols, &packed, &scales)?;
     for tokens in [1, 5, 33] {
         let x: Vec<f32> = (0..tokens * cols).map(|_| v.unit()).collect();
@@ -85,7 +85,7 @@ pub fn probe(gpu: &Gpu) -> Result<()> {
         }
     }
     while gate.len() < 4096 {
-        gate.push(v.unit() * 2f32.powi((v.next() % 24) as i32 - 8));
+        gate.push(v.unit() * 2f32.powi((v.bits() % 24) as i32 - 8));
     }
     let up: Vec<f32> = gate.iter().rev().map(|g| g * 3.0).collect();
     let stream = gpu.stream();

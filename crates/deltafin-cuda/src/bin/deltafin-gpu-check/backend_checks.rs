@@ -29,7 +29,7 @@ fn situ_inputs(n: usize) -> Vec<f32> {
     let mut rng = Rng(77);
     while v.len() < n {
         // Sign, exponent in [2^-20, 2^9], full mantissa.
-        let bits = ((rng.next() as u32) & 0x807f_ffff) | (((107 + rng.next() % 30) as u32) << 23);
+        let bits = ((rng.bits() as u32) & 0x807f_ffff) | (((107 + rng.bits() % 30) as u32) << 23);
         v.push(f32::from_bits(bits));
     }
     v
@@ -70,7 +70,7 @@ fn expert_bytes(shape: ExpertShape, seed: u64) -> (ExpertLayout, Vec<u8>) {
         at += if i % 2 == 0 { pb } else { sb };
     }
     let mut rng = Rng(seed | 1);
-    let mut bytes: Vec<u8> = (0..at).map(|_| rng.next() as u8).collect();
+    let mut bytes: Vec<u8> = (0..at).map(|_| rng.bits() as u8).collect();
     for i in [1, 3, 5] {
         for b in &mut bytes[offsets[i]..offsets[i] + sb] {
             *b = 120 + *b % 6;

@@ -56,17 +56,17 @@ fn make(case: &Case, seed: u64, subnormal_scales: bool) -> Host {
             let w = (0..case.rows * case.cols)
                 .flat_map(|_| {
                     // Finite BF16 of exponents 2^-20 .. 2^3, either sign.
-                    let e = 107 + (rng.next() % 24) as u16;
-                    let b = ((rng.next() & 1) as u16) << 15 | e << 7 | (rng.next() & 0x7f) as u16;
+                    let e = 107 + (rng.bits() % 24) as u16;
+                    let b = ((rng.bits() & 1) as u16) << 15 | e << 7 | (rng.bits() & 0x7f) as u16;
                     b.to_le_bytes()
                 })
                 .collect();
             (w, Vec::new())
         }
         Kind::Mxfp4 => {
-            let w = (0..case.rows * case.cols / 2).map(|_| rng.next() as u8).collect();
+            let w = (0..case.rows * case.cols / 2).map(|_| rng.bits() as u8).collect();
             let scales = (0..case.rows * case.cols / 32)
-                .map(|_| if subnormal_scales { (rng.next() % 6) as u8 } else { 112 + (rng.next() % 24) as u8 })
+                .map(|_| if subnormal_scales { (rng.bits() % 6) as u8 } else { 112 + (rng.bits() % 24) as u8 })
                 .collect();
             (w, scales)
         }
@@ -127,7 +127,7 @@ fn check_one(gpu: &Gpu, isa: Isa, case: &Case, seed: u64, subnormal: bool) -> (u
         (0..n).collect()
     } else {
         let mut rng = Rng(seed ^ 0x9e37_79b9);
-        (0..400_000).map(|_| (rng.next() % n as u64) as usize).collect()
+        (0..400_000).map(|_| (rng.bits() % n as u64) as usize).collect()
     };
     let bad: Vec<(usize, f32, f32)> = picks
         .par_iter()
