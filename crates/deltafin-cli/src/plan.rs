@@ -26,6 +26,13 @@ pub struct PlanArgs {
     /// Most tokens a sequence may hold (sizes its state).
     #[arg(long, default_value_t = deltafin::DEFAULT_CONTEXT)]
     pub context: usize,
+    /// Cores of the machine to plan for (default: this machine's compute threads). The rates
+    /// measured here are scaled as if products scaled with cores.
+    #[arg(long)]
+    pub cores: Option<usize>,
+    /// How fast one of its cores is against one of this machine's (e.g. 1.3), for its compute.
+    #[arg(long, default_value_t = 1.0)]
+    pub core_speed: f64,
 }
 
 pub fn run_plan(a: PlanArgs) -> Result<()> {
@@ -35,6 +42,16 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
     if let Some(e) = a.read_efficiency.filter(|e| !(0.0 < *e && *e <= 1.0)) {
         bail!("--read-efficiency {e} must be in (0, 1]");
     }
+    if a.cores == Some(0) || !(a.core_speed > 0.0 && a.core_speed.is_finite()) {
+        bail!("--cores must be at least 1 and --core-speed a positive number");
+    }
+    // The compute pool's size, as rayon sizes it (`-t` sets RAYON_NUM_THREADS).
+    let here = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let compute_scale = a.cores.unwrap_or(here) as f64 / here as f64 * a.core_speed;
     let sizes = deltafin::model_sizes(&a.model).with_context(|| format!("reading {}", a.model.display()))?;
     eprintln!("measuring this machine's kernels at the model's shapes (a few seconds)...");
     let rates = ComputeRates::measure(&sizes.config, &Cpu::best());
@@ -44,19 +61,35 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         read_efficiency: a.read_efficiency,
         prompt_tokens: a.prompt_tokens,
         context: a.context,
+        compute_scale,
     };
     let plan = Plan::new(&sizes, &input, &rates);
     let c = &sizes.config;
     println!(
-        "{}: {} layers, {} experts of {:.1} MB per MoE layer, top-{}; RAM {:.1} GB; drives {}",
+        "{}: {} layers, {} experts of {} per MoE layer, top-{}; RAM {}; {} {}; compute {}",
         a.model.display(),
         c.num_layers,
         c.num_experts,
-        c.expert_shape().total_bytes() as f64 / 1e6,
+        deltafin::size(c.expert_shape().total_bytes() as f64),
         c.experts_per_token,
-        a.ram as f64 / 1e9,
-        a.drives.iter().map(|d| format!("{:.1} GB/s", *d as f64 / 1e9)).collect::<Vec<_>>().join(", ")
+        deltafin::size(a.ram as f64),
+        if a.drives.len() == 1 { "drive" } else { "drives" },
+        a.drives.iter().map(|d| format!("{}/s", deltafin::size(*d as f64))).collect::<Vec<_>>().join(", "),
+        match a.cores {
+            Some(n) => format!("{n} cores at {}x this machine's per core (this machine: {here} threads)", a.core_speed),
+            None => format!(
+                "this machine's {here} threads{}",
+                if a.core_speed != 1.0 { format!(" at {}x", a.core_speed) } else { String::new() }
+            ),
+        }
     );
     print!("{}", plan.render(&rates));
+    if !plan.fits {
+        bail!(
+            "the model does not fit in --ram {}: it needs at least {} (spine layers streamed, one expert cached)",
+            deltafin::size(a.ram as f64),
+            deltafin::size(plan.minimum_ram as f64)
+        );
+    }
     Ok(())
 }

@@ -312,26 +312,39 @@ fn a_killed_batch_resumes_to_the_uninterrupted_result() {
 #[test]
 fn plan_projects_what_stays_resident_and_the_speed() {
     let f = fixture();
-    let plan = |ram: &str, drives: &[&str]| {
+    let plan = |ram: &str, drives: &[&str], extra: &[&str]| {
         let mut c = bin();
-        c.args(["plan", "--model"]).arg(&f).args(["--ram", ram, "--prompt-tokens", "64"]);
+        c.args(["plan", "--model"]).arg(&f).args(["--ram", ram, "--prompt-tokens", "64"]).args(extra);
         for d in drives {
             c.args(["--drive", d]);
         }
         c.output().unwrap()
     };
-    let out = plan("1G", &["1G"]);
+    let out = plan("1G", &["1G"], &[]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("minimum RAM") && text.contains("decode") && text.contains("TTFT"), "{text}");
-    // A gigabyte holds every expert of the tiny model: nothing is read per token.
+    // A gigabyte holds every expert of the tiny model: nothing is read per token, and the plan
+    // says compute is what would help.
     let cached = text.lines().find(|l| l.contains("expert cache")).unwrap();
     let per_token = text.lines().find(|l| l.contains("per decode token")).unwrap();
-    assert!(cached.contains("100.0%") && per_token.contains(" 0.00 GB"), "{text}");
-    let out = plan("1M", &["1G"]);
-    assert!(String::from_utf8_lossy(&out.stdout).contains("does not fit"));
-    let out = plan("1G", &[]);
+    assert!(cached.contains("100.0%") && per_token.contains(" 0 B"), "{text}");
+    assert!(text.contains("what would help") && text.contains("nothing is read"), "{text}");
+    // Readable units, one drive named as one, no claim of K3's shapes or of measuring 4 drives.
+    assert!(text.contains("9.8 KB") && text.contains("one drive") && text.contains("1.00 GB/s"), "{text}");
+    assert!(!text.contains("K3 shapes") && !text.contains("measured: bench ladder"), "{text}");
+    // Another machine's cores: the compute projected at their multiple of this machine's.
+    let out = plan("1G", &["1G"], &["--cores", "64", "--core-speed", "1.5", "-t", "2"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("64 cores at 1.5x") && text.contains("48.00x this machine's compute"), "{text}");
+    // A budget below the minimum: said, and the exit status says it too.
+    let out = plan("1M", &["1G"], &[]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("does not fit") && !out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs at least"));
+    let out = plan("1G", &[], &[]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--drive"));
+    let out = plan("1G", &["1G"], &["--cores", "0"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--cores"));
 }
 
 #[test]

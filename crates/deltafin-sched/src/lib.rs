@@ -45,7 +45,7 @@ pub use crate::{
     error::{Error, Result},
     generator::{Generator, OnToken, Output},
     open::{EngineBuilder, LoadedModel, MemoryPlan, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT},
-    plan::{model_sizes, ComputeRates, ModelSizes, Plan, PlanInput, LADDER_EFFICIENCY},
+    plan::{model_sizes, size, ComputeRates, ModelSizes, Plan, PlanInput, LADDER_EFFICIENCY},
     sequence::Sequence,
     stats::Stats,
     step::{Phase, Slot, StepOutput},

@@ -98,6 +98,10 @@ pub struct PlanInput {
     pub prompt_tokens: usize,
     /// Most tokens a sequence may hold (sizes its state).
     pub context: usize,
+    /// How many times this machine's compute the target's is (its cores over this machine's
+    /// threads, times a core's speed over one of these): the measured rates are divided by it.
+    /// 1 plans for this machine.
+    pub compute_scale: f64,
 }
 
 /// Sizes of a model that planning needs (from a checkpoint's headers or a store's manifest).
@@ -137,6 +141,9 @@ pub struct Plan {
     pub efficiency_measured: bool,
     pub expert_len: f64,
     pub prompt_tokens: usize,
+    pub compute_scale: f64,
+    pub drives: usize,
+    pub total_expert_bytes: f64,
 }
 
 impl Plan {
@@ -175,8 +182,9 @@ impl Plan {
         let eff = input.read_efficiency.unwrap_or(LADDER_EFFICIENCY);
         let read_bytes_s = input.drives.iter().sum::<f64>() * eff;
         let matmul_spine = (m.spine_bytes - m.embed_bytes) as f64;
-        let decode_compute_s = moe * k * rates.expert_token_s + matmul_spine / rates.spine_decode_bytes_s;
-        let prefill_compute_s = p * (moe * k * rates.expert_prompt_token_s + matmul_spine / rates.spine_prompt_bytes_s);
+        let scale = if input.compute_scale > 0.0 { input.compute_scale } else { 1.0 };
+        let decode_compute_s = (moe * k * rates.expert_token_s + matmul_spine / rates.spine_decode_bytes_s) / scale;
+        let prefill_compute_s = p * (moe * k * rates.expert_prompt_token_s + matmul_spine / rates.spine_prompt_bytes_s) / scale;
         // A prompt runs in chunks; each chunk's pass reads the streamed layers once.
         let chunks = input.prompt_tokens.div_ceil(chunk).max(1) as f64;
         Plan {
@@ -200,6 +208,9 @@ impl Plan {
             efficiency_measured: input.read_efficiency.is_none(),
             expert_len,
             prompt_tokens: input.prompt_tokens,
+            compute_scale: scale,
+            drives: input.drives.len(),
+            total_expert_bytes: total_experts as f64 * expert_len,
         }
     }
 
@@ -215,76 +226,123 @@ impl Plan {
 
     /// The plan as the CLI prints it.
     pub fn render(&self, rates: &ComputeRates) -> String {
-        let gb = |b: f64| b / 1e9;
         let mut s = String::new();
         let _ = writeln!(s, "resident (RAM):");
         let how = match self.streamed_layers {
             0 => "all of it".to_string(),
             n => format!("{n} layers read each pass, two at a time"),
         };
-        let _ = writeln!(s, "  spine            {:>9.2} GB  ({how})", gb(self.spine_bytes as f64));
-        let _ = writeln!(s, "  sequence state   {:>9.2} GB", gb(self.state_bytes as f64));
-        let _ = writeln!(s, "  working memory   {:>9.2} GB", gb(self.working_bytes as f64));
+        let _ = writeln!(s, "  spine            {:>10}  ({how})", size(self.spine_bytes as f64));
+        let _ = writeln!(s, "  sequence state   {:>10}", size(self.state_bytes as f64));
+        let _ = writeln!(s, "  working memory   {:>10}", size(self.working_bytes as f64));
         let _ = writeln!(
             s,
-            "  expert cache     {:>9.2} GB  ({} of {} experts, {:.1}%)",
-            gb(self.cached_experts as f64 * self.expert_len),
+            "  expert cache     {:>10}  ({} of {} experts, {:.1}%, of {} in all)",
+            size(self.cached_experts as f64 * self.expert_len),
             self.cached_experts,
             self.total_experts,
-            100.0 * self.cached_experts as f64 / self.total_experts.max(1) as f64
+            100.0 * self.cached_experts as f64 / self.total_experts.max(1) as f64,
+            size(self.total_expert_bytes)
         );
         let _ = writeln!(
             s,
-            "  minimum RAM      {:>9.2} GB  (output head, norms + two spine layers + state + working memory + one expert; the embedding read by row)",
-            gb(self.minimum_ram as f64)
+            "  minimum RAM      {:>10}  (output head, norms + two spine layers + state + working memory + one expert; the embedding read by row)",
+            size(self.minimum_ram as f64)
         );
         if !self.fits {
             let _ = writeln!(s, "does not fit: the budget is below the minimum");
             return s;
         }
         let _ = writeln!(s, "reads:");
-        let _ = writeln!(s, "  expert bytes per decode token  {:>9.2} GB  (routing assumed uniform)", gb(self.expert_bytes_per_token));
+        let _ = writeln!(s, "  expert bytes per decode token  {:>10}  (routing assumed uniform)", size(self.expert_bytes_per_token));
         let _ = writeln!(
             s,
-            "  spine bytes read per token     {:>9.2} GB  (each pass; a prompt reads them once per chunk)",
-            gb(self.spine_read_per_pass)
+            "  spine bytes read per token     {:>10}  (each pass; a prompt reads them once per chunk)",
+            size(self.spine_read_per_pass)
         );
         let _ = writeln!(
             s,
-            "  expert bytes for a {}-token prompt  {:.1} GB (each expert read once per layer)",
+            "  expert bytes for a {}-token prompt  {} (each expert read once per layer)",
             self.prompt_tokens,
-            gb(self.prefill_expert_bytes)
+            size(self.prefill_expert_bytes)
         );
-        let eff = if self.efficiency_measured { "measured: bench ladder, 4 unequal drives" } else { "given" };
-        let _ =
-            writeln!(s, "  drives together  {:.2} GB/s at {:.0}% efficiency ({eff})", gb(self.read_bytes_s), 100.0 * self.read_efficiency);
-        let _ = writeln!(s, "compute (measured on this machine, K3 shapes):");
+        let eff = if self.efficiency_measured {
+            "assumed: what `bench ladder` measured over 4 unequal drives; --read-efficiency sets it"
+        } else {
+            "given"
+        };
+        let drives = if self.drives == 1 { "one drive".to_string() } else { format!("{} drives together", self.drives) };
+        let _ = writeln!(s, "  {drives}  {}/s at {:.0}% efficiency ({eff})", size(self.read_bytes_s), 100.0 * self.read_efficiency);
+        let scaled = if (self.compute_scale - 1.0).abs() > 1e-9 {
+            format!(
+                "; projected at {:.2}x this machine's compute (--cores, --core-speed), as if products scaled with cores",
+                self.compute_scale
+            )
+        } else {
+            String::new()
+        };
+        let _ = writeln!(s, "compute (measured on this machine: experts at this model's shape, BF16 products at 7168 x 7168{scaled}):");
         let _ = writeln!(
             s,
-            "  expert {:.2} ms/token decode, {:.3} ms/token in a 64-token chunk; BF16 matmul {:.1} GB/s decode, {:.1} GB/s per token in a chunk",
+            "  expert {:.2} ms/token decode, {:.3} ms/token in a 64-token chunk; BF16 matmul {}/s decode, {}/s per token in a chunk",
             rates.expert_token_s * 1e3,
             rates.expert_prompt_token_s * 1e3,
-            gb(rates.spine_decode_bytes_s),
-            gb(rates.spine_prompt_bytes_s)
+            size(rates.spine_decode_bytes_s),
+            size(rates.spine_prompt_bytes_s)
         );
         let _ = writeln!(s, "projected:");
+        let decode_reads = self.decode_read_s >= self.decode_compute_s;
         let _ = writeln!(
             s,
             "  decode   {:.2} tok/s  (reads {:.2} s/token, compute {:.2} s/token; {} bound)",
             self.decode_tok_s(),
             self.decode_read_s,
             self.decode_compute_s,
-            if self.decode_read_s >= self.decode_compute_s { "read" } else { "compute" }
+            if decode_reads { "read" } else { "compute" }
         );
+        let prefill_reads = self.prefill_read_s >= self.prefill_compute_s;
         let _ = writeln!(
             s,
-            "  TTFT     {:.1} s for {} tokens  (reads {:.1} s, compute {:.1} s)",
+            "  TTFT     {:.1} s for {} tokens  (reads {:.1} s, compute {:.1} s; {} bound)",
             self.ttft_s(),
             self.prompt_tokens,
             self.prefill_read_s,
-            self.prefill_compute_s
+            self.prefill_compute_s,
+            if prefill_reads { "read" } else { "compute" }
         );
+        let _ = writeln!(s, "what would help:");
+        for (what, reads, read_s, compute_s) in [
+            ("decode", decode_reads, self.decode_read_s, self.decode_compute_s),
+            ("the prompt", prefill_reads, self.prefill_read_s, self.prefill_compute_s),
+        ] {
+            let _ = if read_s == 0.0 {
+                writeln!(s, "  {what}: more or faster cores, or a GPU (--backend cuda): nothing is read (every expert fits the cache)")
+            } else if reads {
+                writeln!(
+                    s,
+                    "  {what}: faster reads: more or faster drives (reads take {:.1}x the compute), or more RAM for the expert cache; more cores would not",
+                    read_s / compute_s.max(1e-12)
+                )
+            } else {
+                writeln!(
+                    s,
+                    "  {what}: more compute: more or faster cores (compute takes {:.1}x the reads), or a GPU (--backend cuda); faster drives would not",
+                    compute_s / read_s
+                )
+            };
+        }
         s
+    }
+}
+
+/// Bytes for people: KB, MB, GB or TB (decimal units, as drives are sold).
+pub fn size(b: f64) -> String {
+    match b {
+        b if b >= 1e12 => format!("{:.2} TB", b / 1e12),
+        b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.1} MB", b / 1e6),
+        b if b >= 1e3 => format!("{:.1} KB", b / 1e3),
+        b => format!("{b:.0} B"),
     }
 }
 

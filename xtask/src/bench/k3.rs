@@ -141,6 +141,7 @@ pub fn run(work: &Path, store: &Path, vocab: u32, quick: bool) -> Result<String>
             read_efficiency: None,
             prompt_tokens: 512,
             context: deltafin_sched::DEFAULT_CONTEXT,
+            compute_scale: 1.0,
         };
         let plan = Plan::new(&sizes, &input, &rates);
         writeln!(md, "RAM {:.0} GB:\n\n```\n{}```\n", ram / 1e9, plan.render(&rates))?;
