@@ -332,13 +332,24 @@ pub fn run_doctor(a: DoctorArgs) -> Result<()> {
     let verify = a.verify || a.repair;
     let r = doctor(&a.model, verify, &Bars::new())?;
     if r.ok() {
-        eprintln!(
-            "{}: OK ({} experts, {} copies{})",
-            a.model.display(),
-            r.experts_checked,
-            r.copies_checked,
-            if verify { ", checksums verified" } else { "" }
-        );
+        if verify {
+            eprintln!(
+                "{}: OK: every byte verified against its checksum ({} spine tensors, {} experts in {} copies)",
+                a.model.display(),
+                r.spine_tensors_checked,
+                r.experts_checked,
+                r.copies_checked
+            );
+        } else {
+            eprintln!(
+                "{}: OK: config, tokenizer and {} spine tensors verified against their checksums; {} experts in {} copies present at \
+                 full size, not read (--verify reads every one)",
+                a.model.display(),
+                r.spine_tensors_checked,
+                r.experts_checked,
+                r.copies_checked
+            );
+        }
         if let Some((cached, streamed, bytes)) = r.stream_cache {
             eprintln!(
                 "stream store: {cached} of {streamed} streamed experts cached ({:.1} MB); the rest are fetched from the hub on first use",

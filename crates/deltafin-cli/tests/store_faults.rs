@@ -445,3 +445,20 @@ fn a_spine_that_does_not_fit_is_read_per_pass_checked_with_identical_ids() {
     let err = fails(&mut run("25.7M"));
     assert!(err.contains("layers.5.self_attn.o_proj.weight") && err.contains("checksum"), "{err}");
 }
+
+/// `doctor` without `--verify` reads the spine against its checksums, as opening the store does:
+/// a store `run` refuses is never reported OK. It says what it did not read (the experts).
+#[test]
+fn doctor_without_verify_finds_a_flipped_spine_byte_and_says_what_it_did_not_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    ok(&mut setup_cmd(&fixture(), &store, &[]));
+    let out = bin().args(["doctor", "--model"]).arg(&store).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && said.contains("spine tensors verified") && said.contains("not read (--verify"), "{said}");
+    let spine = store.join("spine.bin");
+    flip(&spine, std::fs::metadata(&spine).unwrap().len() / 2);
+    let err = fails(bin().args(["doctor", "--model"]).arg(&store));
+    assert!(err.contains("spine tensor") && err.contains("checksum"), "{err}");
+    fails(&mut run_ids(&store));
+}
