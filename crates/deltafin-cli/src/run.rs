@@ -8,6 +8,11 @@ use clap::Args;
 use deltafin::{Compute, DraftWith, EngineBuilder, GenerateOptions, Generator, LoadedModel, LogitRows, OnToken, Step};
 use deltafin::{Message, Role};
 
+/// Where options that never change the output are listed in `--help`.
+const PERF: &str = "Performance (never changes the output)";
+const DRAFT: &str = "Drafting (K3 verifies every draft: never changes the output)";
+const STREAM: &str = "Stream stores";
+
 /// Options shared by every command that opens a model.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
@@ -19,66 +24,66 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = deltafin::DEFAULT_CONTEXT)]
     pub context: usize,
     /// Most prompt tokens per forward pass (no effect on output).
-    #[arg(long)]
+    #[arg(long, help_heading = PERF)]
     pub prefill_chunk: Option<usize>,
     /// Do not prefetch (by default the next layer's experts are guessed from this layer's output so far while its last read is in flight, and in the last layer the next token's first MoE layer; no effect on output).
-    #[arg(long)]
+    #[arg(long, help_heading = PERF)]
     pub no_prefetch: bool,
     /// Bound on everything the engine holds (spine, expert cache, buffers, state), e.g. 2G.
-    #[arg(long, value_parser = crate::store_cmds::parse_size)]
+    #[arg(long, value_parser = crate::store_cmds::parse_size, help_heading = PERF)]
     pub ram_budget: Option<u64>,
     /// Read experts through the page cache instead of bypassing it.
-    #[arg(long)]
+    #[arg(long, help_heading = PERF)]
     pub page_cache: bool,
     /// Concurrent expert reads per drive.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, help_heading = PERF)]
     pub queue_depth: usize,
     /// Read each expert whole from one drive, even where several drives hold copies.
-    #[arg(long)]
+    #[arg(long, help_heading = PERF)]
     pub no_split_reads: bool,
     /// Cap each drive's read rate, comma-separated in the store's drive order (e.g. 136M,71M):
     /// emulates slower drives on one disk for benchmarks (no effect on output).
-    #[arg(long, value_delimiter = ',', value_parser = crate::store_cmds::parse_size)]
+    #[arg(long, value_delimiter = ',', value_parser = crate::store_cmds::parse_size, help_heading = PERF)]
     pub read_caps: Vec<u64>,
     /// Expert cache eviction: `next-use` (furthest next use first) or `lru`.
-    #[arg(long, default_value = "next-use", value_parser = ["next-use", "lru"])]
+    #[arg(long, default_value = "next-use", value_parser = ["next-use", "lru"], help_heading = PERF)]
     pub cache_policy: String,
     /// Keep the hottest experts of past runs pinned in RAM, up to this size (within the budget).
-    #[arg(long, value_parser = crate::store_cmds::parse_size)]
+    #[arg(long, value_parser = crate::store_cmds::parse_size, help_heading = PERF)]
     pub pin: Option<u64>,
     /// With a stream store: fetch the experts not cached yet in the background while running,
     /// with spare bandwidth (demand fetches go first), until the store is full or its disk
     /// budget is reached (no effect on output).
-    #[arg(long)]
+    #[arg(long, help_heading = STREAM)]
     pub fill: bool,
     /// With a stream store: compute only with bytes the hub's SHA-256 has covered. Shards not
     /// checked yet are checked first, fetching what is not cached (one pass over the whole model
     /// the first time), and bytes corrupted in transit are repaired; what cannot be checked is an
     /// error. Without it, runs on a partly fetched store say how many bytes were not covered yet.
-    #[arg(long)]
+    #[arg(long, help_heading = STREAM)]
     pub verified_only: bool,
     /// Draft tokens for K3 to verify (speculative decoding; the output is identical): `ngram`
     /// (prompt lookup over the text so far), the folder of a Qwen3 draft model (Hugging Face
     /// layout: config.json, safetensors, tokenizer.json), or `auto` (the model's `draft/`
     /// folder if it has one, else ngram).
-    #[arg(long, value_name = "ngram|PATH|auto")]
+    #[arg(long, value_name = "ngram|PATH|auto", help_heading = DRAFT)]
     pub draft: Option<DraftWith>,
     /// Most drafted tokens verified per step (the live cost gate picks each step's length, 0
     /// included, from measured verify costs and acceptance).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, help_heading = DRAFT)]
     pub draft_max: usize,
     /// Draft exactly --draft-max tokens at every step instead of letting the cost gate choose.
-    #[arg(long)]
+    #[arg(long, help_heading = DRAFT)]
     pub draft_fixed: bool,
     /// What computes: `cpu`, `cuda` (an NVIDIA GPU, checked against the CPU's bits when it opens;
     /// an error saying why if it cannot be used), or `auto` (the GPU when one is usable, else the
     /// CPU). The output is the same bit for bit. (`cpu` stays the default until the CUDA backend
     /// has passed its proof on real hardware: docs/gpu/.)
-    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|auto")]
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|auto", help_heading = PERF)]
     pub backend: deltafin::BackendChoice,
     /// Most bytes of weights kept on the GPU, e.g. 20G (default: its free memory less room for
     /// activations); the rest are uploaded when used.
-    #[arg(long, value_parser = crate::store_cmds::parse_size)]
+    #[arg(long, value_parser = crate::store_cmds::parse_size, help_heading = PERF)]
     pub gpu_memory: Option<u64>,
 }
 
@@ -305,6 +310,8 @@ pub fn run(a: RunArgs) -> Result<()> {
 }
 
 #[derive(Args, Debug)]
+// Logits are one forward pass: drafting cannot matter there.
+#[command(mut_arg("draft", |a| a.hide(true)), mut_arg("draft_max", |a| a.hide(true)), mut_arg("draft_fixed", |a| a.hide(true)))]
 pub struct LogitsArgs {
     #[command(flatten)]
     pub model: ModelArgs,

@@ -471,3 +471,16 @@ fn every_backend_choice_gives_the_reference_ids_or_says_why_not() {
     let out = ok(bin().args(["selftest", "--backend", "cpu", "--prompt", "12", "--model"]).arg(&f));
     assert!(out.contains("9 cases") && out.contains("every one the CPU's bits"), "{out}");
 }
+
+/// Help puts what shapes the output first and what only changes the speed under its own
+/// heading; options that cannot matter to a command are not offered.
+#[test]
+fn help_groups_options_and_drops_what_cannot_matter() {
+    let help = ok(bin().args(["run", "--help"]));
+    let (max_new, perf, budget) =
+        (help.find("--max-new").unwrap(), help.find("Performance (never changes the output)").unwrap(), help.find("--ram-budget").unwrap());
+    assert!(max_new < perf && perf < budget, "{help}");
+    assert!(help.contains("Drafting (K3 verifies every draft") && help.contains("--backend"), "{help}");
+    let help = ok(bin().args(["logits", "--help"]));
+    assert!(!help.contains("--draft") && help.contains("--ids"), "{help}");
+}
