@@ -484,3 +484,13 @@ fn help_groups_options_and_drops_what_cannot_matter() {
     let help = ok(bin().args(["logits", "--help"]));
     assert!(!help.contains("--draft") && help.contains("--ids"), "{help}");
 }
+
+/// A port in use: the cause once, and what to do.
+#[test]
+fn serve_on_a_port_in_use_says_so_once_with_what_to_do() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let err = fails(bin().args(["serve", "--port", &port, "--model"]).arg(fixture()));
+    assert!(err.contains("in use") && err.contains("--port"), "{err}");
+    assert_eq!(err.matches("os error").count(), 0, "{err}");
+}

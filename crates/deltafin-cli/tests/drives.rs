@@ -101,6 +101,8 @@ fn a_killed_rebalance_resumes_and_moves_the_store_onto_other_drives() {
     let two = home_args(tmp.path(), &[("a", "", "136M/s"), ("d", "", "100M/s")]);
     let err = fails(&mut setup(&ckpt, &store, &two));
     assert!(err.contains("--rebalance"), "{err}");
+    // Said for people: paths and shares, not Rust's debug lists.
+    assert!(!err.contains("[\"") && !err.contains("copies, not") && err.contains("1 copy"), "{err}");
     std::fs::remove_dir_all(&ckpt).unwrap();
     let rebalance = || {
         let mut c = bin();

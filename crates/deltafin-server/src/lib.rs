@@ -42,11 +42,23 @@ use crate::request::{Prompt, Request};
 use crate::turn::{Item, TurnEvents};
 use crate::worker::{Event, Job, Queue};
 
+/// Why a listening socket could not be had, and what to do.
+fn bind_hint(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::AddrInUse => {
+            "the port is in use (another program, or another `deltafin serve`, listens there): pick a free one with --port".into()
+        }
+        std::io::ErrorKind::PermissionDenied => "not permitted (ports below 1024 need privileges): use --port 1024 or above".into(),
+        std::io::ErrorKind::AddrNotAvailable => "this machine has no such address: check --host".into(),
+        _ => e.to_string(),
+    }
+}
+
 /// Server errors (binding, serving).
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: String, source: std::io::Error },
+    #[error("cannot listen on {addr}: {why}")]
+    Bind { addr: String, why: String },
     #[error("server stopped: {0}")]
     Serve(std::io::Error),
     /// The model could not be loaded: the server exits instead of answering 503 forever.
@@ -130,7 +142,7 @@ impl AppState {
 /// with a message.
 pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel, String> + Send + 'static) -> Result<(), ServerError> {
     let addr = format!("{}:{}", cfg.host, cfg.port);
-    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|source| ServerError::Bind { addr: addr.clone(), source })?;
+    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|e| ServerError::Bind { addr: addr.clone(), why: bind_hint(&e) })?;
     let state = AppState::new(cfg.clone());
     let s = state.clone();
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();

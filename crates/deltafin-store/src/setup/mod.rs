@@ -536,10 +536,28 @@ pub(crate) fn previous(out: &Path, record: &SetupRecord, reinstall: bool) -> Res
             diffs.push(format!("layout {}, not {}", prev.layout, record.layout));
         }
         if prev.homes != record.homes || prev.copies != record.copies {
-            diffs.push(format!("homes {:?} with {} copies, not {:?} with {}", prev.homes, prev.copies, record.homes, record.copies));
+            let list = |h: &[PathBuf]| match h.len() {
+                0 => "no separate home (experts beside the store)".to_string(),
+                _ => h.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+            };
+            let copies = |n: usize| if n == 1 { "1 copy".to_string() } else { format!("{n} copies") };
+            diffs.push(format!(
+                "homes {} with {}, not {} with {}",
+                list(&prev.homes),
+                copies(prev.copies),
+                list(&record.homes),
+                copies(record.copies)
+            ));
         }
         if prev.placement != record.placement || prev.shares != record.shares {
-            diffs.push(format!("placement {} {:?}, not {} {:?}", prev.placement, prev.shares, record.placement, record.shares));
+            let shares = |v: &[f64]| v.iter().map(|x| format!("{:.0}%", 100.0 * x)).collect::<Vec<_>>().join("/");
+            diffs.push(format!(
+                "placement {} ({}), not {} ({})",
+                prev.placement,
+                shares(&prev.shares),
+                record.placement,
+                shares(&record.shares)
+            ));
         }
         let moved = prev.source_id == record.source_id && prev.layout == record.layout && manifest.is_some();
         let rebalance = if moved && record.layout == LAYOUT_PACKS {
