@@ -79,9 +79,9 @@ enum Cmd {
         prompt: String,
         #[arg(long, default_value_t = 96)]
         max_new: usize,
-        /// RAM budget: the spine, the draft and working memory, and an expert cache of about a
-        /// quarter of the model's 8.4 MB of experts.
-        #[arg(long, default_value = "66M")]
+        /// RAM budget: the spine, working memory, and an expert cache of about a quarter of the
+        /// model's 8.4 MB of experts.
+        #[arg(long, default_value = "61M")]
         ram_budget: String,
     },
     /// Benchmarks on generated slice models; updates docs/BENCHMARKS.md.

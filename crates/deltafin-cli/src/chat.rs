@@ -29,7 +29,7 @@ pub struct ChatArgs {
 }
 
 const HELP: &str = "Type a message and press Enter (arrow keys edit, Up/Down recall earlier lines). End a line with \\ to \
-continue on the next.\nCommands: /stats (last reply's stats), /reset (new conversation), /help, /quit. Ctrl-C stops the \
+continue on the next.\nCommands: /stats (last reply's stats), /reset (new conversation), /clear (new conversation, clear screen), /help, /quit. Ctrl-C stops the \
 prompt or the reply; Ctrl-D quits. Start a message with // to send a line beginning with /.";
 
 /// Prompt tokens per pass when none is asked for (`--prefill-chunk`).
@@ -147,6 +147,8 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
     let mut history: Vec<Message> = a.system.iter().map(|s| Message::new(Role::System, s.clone())).collect();
     let mut generator = deltafin::Generator::new(&model);
     let mut last_stats = None;
+    // What /stats says about a reply that was stopped before it finished.
+    let mut last_stopped: Option<String> = None;
     let context = model.new_sequence().context_limit();
     let layers = model.engine().model().config().num_layers as u64;
     let chunk = model.engine().options().prefill_chunk;
@@ -184,14 +186,20 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         if let Some(cmd) = text.strip_prefix('/').filter(|c| !c.starts_with('/')) {
             match cmd {
                 "quit" | "exit" => return Ok(()),
-                "reset" => {
+                "reset" | "clear" => {
                     history.retain(|m| m.role == Role::System);
                     generator.reset();
+                    if cmd == "clear" && dim {
+                        // Clear the screen and home the cursor.
+                        print!("\x1b[2J\x1b[H");
+                        let _ = std::io::Write::flush(&mut std::io::stdout());
+                    }
                     eprintln!("(new conversation)");
                 }
-                "stats" => match &last_stats {
-                    Some(s) => eprintln!("{}", deltafin::Stats::summary(s)),
-                    None => eprintln!("(no reply yet)"),
+                "stats" => match (&last_stats, &last_stopped) {
+                    (_, Some(note)) => eprintln!("{note}"),
+                    (Some(s), None) => eprintln!("{}", deltafin::Stats::summary(s)),
+                    (None, None) => eprintln!("(no reply yet)"),
                 },
                 "help" => eprintln!("{HELP}"),
                 other => eprintln!("unknown command /{other}; /help lists them (start with // to send a line beginning with /)"),
@@ -218,6 +226,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         let opts = margs.generate_options(max_new).stop_ids(chat.stop_ids()).cancel(cancel.clone());
         let mut spinner = tty_err.then(|| Spinner::start(cancel.clone(), ids.len(), layers, chunk.unwrap_or(ids.len())));
         let mut split = ReplySplitter::new(model.tokenizer(), true, vec![]);
+        let (mut produced, mut last_id, started) = (0usize, None, std::time::Instant::now());
         let mut out = std::io::stdout();
         let (mut answer, mut section) = (String::new(), None);
         let mut show = |parts: Vec<(ReplyPart, String)>, out: &mut std::io::Stdout| {
@@ -247,6 +256,8 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
                 if let Some(mut sp) = spinner.take() {
                     sp.stop();
                 }
+                produced += 1;
+                last_id = Some(s.id);
                 show(split.push(model.tokenizer(), s.id), &mut out);
                 !running.interrupted()
             }),
@@ -258,8 +269,15 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
             print!("\x1b[0m");
         }
         println!();
+        last_stopped = None;
         match result {
-            Ok(stats) => last_stats = Some(stats),
+            Ok(stats) => {
+                let stopped = last_id.is_some_and(|id| chat.stop_ids().contains(&id));
+                if !running.interrupted() && !stopped && stats.generated_tokens >= max_new {
+                    eprintln!("(the reply was cut at {max_new} tokens: raise --max-new for longer replies)");
+                }
+                last_stats = Some(stats);
+            }
             Err(deltafin::Error::Cancelled) => {}
             Err(e) => {
                 eprintln!("error: {e}");
@@ -268,6 +286,11 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         }
         if running.interrupted() {
             eprintln!("(stopped)");
+            last_stopped = Some(format!(
+                "the last reply was stopped with Ctrl-C after {produced} token(s) and {:.2} s, {}",
+                started.elapsed().as_secs_f64(),
+                if produced == 0 { "while its prompt was being read" } else { "before it finished" }
+            ));
         }
         // The reply stays in the history (its think part is not replayed).
         history.push(Message::new(Role::Assistant, answer));

@@ -163,6 +163,9 @@ pub struct RunArgs {
     /// Print the generated ids (one line, comma-separated) instead of text.
     #[arg(long)]
     pub print_ids: bool,
+    /// Print the prompt before the continuation (as the model sees it: decoded from its ids).
+    #[arg(long, conflicts_with = "print_ids")]
+    pub echo: bool,
     /// Print time to first token, tok/s and where the time went (stderr).
     #[arg(long)]
     pub stats: bool,
@@ -210,10 +213,15 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("the prompt is empty: give --prompt TEXT, --ids 1,2,3, or text on stdin");
     }
     let stop_ids = if a.chat { model.chat()?.stop_ids() } else { Vec::new() };
+    let opts_stop = stop_ids.clone();
     let opts = a.model.generate_options(a.max_new).stop_ids(stop_ids);
     let mut out = std::io::stdout().lock();
     let mut dec = model.tokenizer().stream();
     let mut ids = Vec::new();
+    if a.echo {
+        write!(out, "{}", model.tokenizer().decode(&prompt))?;
+        out.flush()?;
+    }
     let mut write_err = None;
     // The generator drafts with what `--draft` loaded.
     let mut generator = Generator::new(&model);
@@ -244,6 +252,10 @@ pub fn run(a: RunArgs) -> Result<()> {
         write!(out, "{}", dec.finish())?;
         writeln!(out)?;
     }
+    let stopped = a.chat && ids.last().is_some_and(|id| opts_stop.contains(id));
+    if a.chat && !stopped && !stats.context_limit_reached && ids.len() >= a.max_new {
+        eprintln!("note: the reply was cut at --max-new {} tokens (raise it for a longer reply)", a.max_new);
+    }
     if stats.context_limit_reached {
         eprintln!(
             "note: stopped after {} tokens: the sequence reached its context limit of {} tokens (raise --context for longer output)",
@@ -259,13 +271,13 @@ pub fn run(a: RunArgs) -> Result<()> {
     if a.stats {
         if let Some(p) = model.memory_plan() {
             eprintln!(
-                "RAM budget {:.1} MB: spine {:.1} MB{}, sequence state {:.1} MB, working {:.1} MB, draft {:.1} MB, experts {:.1} MB",
+                "RAM budget {:.1} MB: spine {:.1} MB{}, sequence state {:.1} MB, working {:.1} MB,{} experts {:.1} MB",
                 p.budget as f64 / 1e6,
                 p.spine as f64 / 1e6,
                 if p.streamed_layers > 0 { format!(" ({} layers read each pass)", p.streamed_layers) } else { String::new() },
                 p.sequence_state as f64 / 1e6,
                 p.working as f64 / 1e6,
-                p.draft as f64 / 1e6,
+                if p.draft > 0 { format!(" draft model {:.1} MB,", p.draft as f64 / 1e6) } else { String::new() },
                 p.experts as f64 / 1e6
             );
         }

@@ -65,6 +65,12 @@ if SCENARIO == "edit":
     out = read_for(5, b"> ")
     if b"unknown command /nonsense" not in out:
         fail("an unknown command went to the model")
+    # Replies of --max-new 4 tokens are cut, and say so; /clear starts over.
+    if b"cut at 4 tokens" not in seen:
+        fail("a reply cut by --max-new did not say so")
+    send(b"/clear\r")
+    if b"(new conversation)" not in read_for(5, b"> "):
+        fail("/clear did not start a new conversation")
 elif SCENARIO == "interrupt":
     # A long pasted message: Ctrl-C while its prompt is processed stops it within a second.
     send((b"numbers and boats " * 560) + b"\r")
@@ -79,6 +85,9 @@ elif SCENARIO == "interrupt":
         fail(f"Ctrl-C took {took:.2f} s")
     print(f"stopped {took:.3f} s after Ctrl-C")
     read_for(5, b"> ")
+    send(b"/stats\r")
+    if b"stopped with Ctrl-C" not in read_for(5, b"> "):
+        fail("/stats after Ctrl-C did not report the stopped reply")
     send(b"hi\r")
     if b"> " not in read_for(20, b"> "):
         fail("the chat did not go on after the stop")

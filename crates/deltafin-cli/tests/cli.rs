@@ -494,3 +494,14 @@ fn serve_on_a_port_in_use_says_so_once_with_what_to_do() {
     assert!(err.contains("in use") && err.contains("--port"), "{err}");
     assert_eq!(err.matches("os error").count(), 0, "{err}");
 }
+
+/// `--echo` prints the prompt before the continuation; a chat reply cut by `--max-new` says so.
+#[test]
+fn echo_prints_the_prompt_and_a_cut_reply_says_so() {
+    let f = fixture();
+    let plain = ok(bin().args(["run", "--model"]).arg(&f).args(["--prompt", PROMPT_TEXT, "--max-new", "4"]));
+    let echoed = ok(bin().args(["run", "--model"]).arg(&f).args(["--prompt", PROMPT_TEXT, "--max-new", "4", "--echo"]));
+    assert_eq!(echoed, format!("{PROMPT_TEXT}{plain}"));
+    let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "hi", "--chat", "--max-new", "2"]).output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cut at --max-new 2"));
+}

@@ -109,33 +109,45 @@ impl Stats {
     /// A human summary for `--stats`.
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "prompt {} tok, generated {} tok | TTFT {:.3} s | decode {:.2} tok/s | total {:.2} s\n\
-             experts read {:.1} MB (prefill {:.1} MB, distinct {:.1} MB) | {:.1} MB/token | hit rate {:.1}%\n\
-             read wait {:.3} s, compute {:.3} s | prefetch {} issued, {} used, {:.1} MB wasted | peak RSS {:.1} MB",
-            self.prompt_tokens,
-            self.generated_tokens,
-            self.ttft_s,
-            self.decode_tok_s,
-            self.total_s,
-            mb(self.expert_bytes_read),
-            mb(self.expert_bytes_read_prefill),
-            mb(self.expert_bytes_distinct_prefill),
-            self.bytes_per_token / 1e6,
-            100.0 * self.cache_hit_rate,
-            self.read_wait_s,
-            self.compute_s,
-            self.prefetch_issued,
-            self.prefetch_used,
-            mb(self.prefetch_wasted_bytes),
-            mb(self.peak_rss_bytes),
+            "prompt {} tok, generated {} tok | TTFT {:.3} s | decode {:.2} tok/s | total {:.2} s",
+            self.prompt_tokens, self.generated_tokens, self.ttft_s, self.decode_tok_s, self.total_s,
         );
+        // Only what happened: a run with every expert in RAM reads nothing and prefetches nothing.
+        if self.expert_bytes_read > 0 {
+            s.push_str(&format!(
+                "\nexperts read {:.1} MB (prefill {:.1} MB, distinct {:.1} MB) | {:.1} MB/token | hit rate {:.1}%",
+                mb(self.expert_bytes_read),
+                mb(self.expert_bytes_read_prefill),
+                mb(self.expert_bytes_distinct_prefill),
+                self.bytes_per_token / 1e6,
+                100.0 * self.cache_hit_rate,
+            ));
+        } else {
+            s.push_str("\nexperts: every one used was in RAM (nothing read)");
+        }
+        s.push_str(&format!("\nread wait {:.3} s, compute {:.3} s", self.read_wait_s, self.compute_s));
+        if self.prefetch_issued > 0 {
+            s.push_str(&format!(
+                " | prefetch {} issued, {} used, {:.1} MB wasted",
+                self.prefetch_issued,
+                self.prefetch_used,
+                mb(self.prefetch_wasted_bytes)
+            ));
+        }
+        s.push_str(&format!(" | peak RSS {:.1} MB", mb(self.peak_rss_bytes)));
         if let Some(w) = self.unverified_warning() {
             s.push_str(&format!("\n{w}"));
         }
         if self.spine_bytes_read > 0 {
             s.push_str(&format!("\nspine read {:.1} MB (layers the budget streams)", mb(self.spine_bytes_read)));
         }
-        if self.verifies > 0 || self.draft_s > 0.0 {
+        if self.verifies == 0 && self.draft_s > 0.0 {
+            s.push_str(&format!(
+                "\ndrafts: none verified: the drafter proposed none, or the cost gate judged that verifying would not pay \
+                 ({} gate probes); decoded plainly, the same output (--draft-fixed verifies every step)",
+                self.draft_probes
+            ));
+        } else if self.verifies > 0 {
             s.push_str(&format!(
                 "\ndrafts: {} verify steps ({} probes), {} drafted, {} accepted ({:.0}%), {:.2} tokens per verify, \
                  verify union {:.1} MB, drafting {:.3} s",
