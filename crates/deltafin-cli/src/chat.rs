@@ -128,7 +128,9 @@ fn trim_to_fit(history: &mut Vec<Message>, context: usize, room: usize, render: 
 }
 
 pub fn run_chat(a: ChatArgs) -> Result<()> {
-    eprintln!("loading {} ...", a.model.model.display());
+    if !crate::say::quiet() {
+        eprintln!("loading {} ...", a.model.model.display());
+    }
     // Prompts run in chunks so that Ctrl-C, checked between layers, stops a long one within a
     // fraction of a second (the output is the same in any chunking: the kernels are
     // batch-invariant).
@@ -137,7 +139,9 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
     // The conversation's state is kept between turns.
     let model = margs.open_with(1, 1)?;
     let chat = model.chat()?;
-    eprintln!("{HELP}");
+    if !crate::say::quiet() {
+        eprintln!("{HELP}");
+    }
     let mut editor = rustyline::DefaultEditor::new()?;
     // After the editor: it takes SIGINT for itself when made (Ctrl-C at the prompt is a key in
     // its raw mode anyway); outside the prompt, Ctrl-C must stop the generation.

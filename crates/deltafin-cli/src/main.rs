@@ -4,6 +4,7 @@ mod batch;
 mod chat;
 mod plan;
 mod run;
+mod say;
 mod selftest;
 mod serve;
 mod stats_json;
@@ -23,6 +24,12 @@ struct Cli {
     /// Compute threads (default: every core). Never changes the output.
     #[arg(short = 't', long, global = true)]
     threads: Option<usize>,
+    /// Say less: no progress bars or notes, only the output, warnings and errors.
+    #[arg(short = 'q', long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
+    /// Say more: a run's stats as with --stats, the server's debug log.
+    #[arg(short = 'v', long, global = true)]
+    verbose: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -53,6 +60,13 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
+    say::set(if cli.quiet {
+        say::Level::Quiet
+    } else if cli.verbose {
+        say::Level::Verbose
+    } else {
+        say::Level::Normal
+    });
     if let Some(n) = cli.threads {
         // The compute pool is rayon's global one; set before anything starts it.
         if let Err(e) = rayon_threads(n) {

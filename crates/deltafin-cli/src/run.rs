@@ -117,7 +117,7 @@ impl ModelArgs {
         // (shared by run, logits, serve, chat and batch)
         check_model_path(&self.model)?;
         let compute = Compute::open(self.backend, self.gpu_memory)?;
-        if let Some(note) = compute.note() {
+        if let (Some(note), false) = (compute.note(), crate::say::quiet()) {
             eprintln!("{note}");
         }
         let model = EngineBuilder::new(&self.model)
@@ -253,7 +253,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         writeln!(out)?;
     }
     let stopped = a.chat && ids.last().is_some_and(|id| opts_stop.contains(id));
-    if a.chat && !stopped && !stats.context_limit_reached && ids.len() >= a.max_new {
+    if a.chat && !stopped && !stats.context_limit_reached && ids.len() >= a.max_new && !crate::say::quiet() {
         eprintln!("note: the reply was cut at --max-new {} tokens (raise it for a longer reply)", a.max_new);
     }
     if stats.context_limit_reached {
@@ -268,7 +268,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     if let (false, Some(w)) = (a.stats, stats.unverified_warning()) {
         eprintln!("{w}");
     }
-    if a.stats {
+    if a.stats || crate::say::verbose() {
         if let Some(p) = model.memory_plan() {
             eprintln!(
                 "RAM budget {:.1} MB: spine {:.1} MB{}, sequence state {:.1} MB, working {:.1} MB,{} experts {:.1} MB",

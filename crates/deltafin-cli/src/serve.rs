@@ -60,7 +60,14 @@ pub struct ServeArgs {
 
 pub fn run_serve(a: ServeArgs) -> Result<()> {
     // One line per request and a startup summary on stderr (RUST_LOG=debug for more).
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let level = if crate::say::quiet() {
+        "warn"
+    } else if crate::say::verbose() {
+        "debug"
+    } else {
+        "info"
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

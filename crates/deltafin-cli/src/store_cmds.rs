@@ -20,6 +20,9 @@ impl Bars {
 
 impl Progress for Bars {
     fn begin(&self, phase: &str, total: u64) {
+        if crate::say::quiet() {
+            return;
+        }
         let b = ProgressBar::new(total).with_style(
             ProgressStyle::with_template("{msg:>8} [{bar:32}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}")
                 .expect("template")

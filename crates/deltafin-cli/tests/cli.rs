@@ -505,3 +505,24 @@ fn echo_prints_the_prompt_and_a_cut_reply_says_so() {
     let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "hi", "--chat", "--max-new", "2"]).output().unwrap();
     assert!(out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cut at --max-new 2"));
 }
+
+/// `-v` prints a run's stats without `--stats`; `-q` keeps notes off stderr.
+#[test]
+fn verbose_and_quiet_change_only_what_is_said() {
+    let f = fixture();
+    let run = |flag: &str| {
+        bin()
+            .arg(flag)
+            .args(["run", "--model"])
+            .arg(&f)
+            .args(["--ids", PROMPT_IDS, "--max-new", "16", "--print-ids", "--chat"])
+            .output()
+            .unwrap()
+    };
+    let (v, q) = (run("-v"), run("-q"));
+    assert!(v.status.success() && q.status.success());
+    assert_eq!(v.stdout, q.stdout, "the output is the same");
+    let (v, q) = (String::from_utf8_lossy(&v.stderr), String::from_utf8_lossy(&q.stderr));
+    assert!(v.contains("TTFT") && v.contains("cut at --max-new"), "{v}");
+    assert!(q.trim().is_empty(), "{q}");
+}
