@@ -29,7 +29,8 @@ fn clients() {
     }
     // Checked again when the Node client is installed or removed, or CI changes; a Python
     // package installed later needs `touch crates/deltafin-cli/build.rs` (the tests say so).
-    println!("cargo:rerun-if-changed={}", manifest.join("tests/node/node_modules").display());
+    // (the folder, not node_modules: a path that does not exist would rerun this on every build)
+    println!("cargo:rerun-if-changed={}", manifest.join("tests/node").display());
     println!("cargo:rerun-if-env-changed=CI");
 }
 

@@ -14,8 +14,32 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The command as one would type it: the program's name and its arguments, paths relative to
+/// the checkout (not the environment cargo's variables were cleared from).
+fn shown(cmd: &Command) -> String {
+    let root = root().canonicalize().unwrap_or_else(|_| root());
+    let rel = |s: &std::ffi::OsStr| {
+        let p = Path::new(s);
+        let p = p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
+        p.strip_prefix(&root).map(|r| r.display().to_string()).unwrap_or_else(|_| s.to_string_lossy().into_owned())
+    };
+    let program = Path::new(cmd.get_program()).file_name().map_or_else(|| rel(cmd.get_program()), |n| n.to_string_lossy().into_owned());
+    let args: Vec<String> = cmd
+        .get_args()
+        .map(|a| {
+            let a = rel(a);
+            if a.contains(' ') {
+                format!("\"{a}\"")
+            } else {
+                a
+            }
+        })
+        .collect();
+    format!("{program} {}", args.join(" "))
+}
+
 fn run(cmd: &mut Command) -> Result<()> {
-    eprintln!("$ {}", format!("{cmd:?}").replace('"', ""));
+    eprintln!("$ {}", shown(cmd));
     let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed");
@@ -24,7 +48,7 @@ fn run(cmd: &mut Command) -> Result<()> {
 }
 
 pub fn demo(prompt: &str, max_new: usize, budget: &str) -> Result<()> {
-    let root = root();
+    let root = root().canonicalize().unwrap_or_else(|_| root());
     let models = root.join("models");
     let ckpt = crate::trained::models_dir().join("k3");
     // Cargo's own progress shows: the first build takes minutes on two cores.
@@ -34,6 +58,7 @@ pub fn demo(prompt: &str, max_new: usize, budget: &str) -> Result<()> {
     let (d0, d1) = (models.join("drive0"), models.join("drive1"));
     std::fs::create_dir_all(&d0)?;
     std::fs::create_dir_all(&d1)?;
+    eprintln!("\nInstalling the model as a store over two folders that stand in for two drives (on this one disk)\n");
     // The demo's store is the demo's own: one an older version made with other defaults (a
     // placement since changed) is replaced, not refused; one of this plan is resumed or checked.
     run(Command::new(&bin)
