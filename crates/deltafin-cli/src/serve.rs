@@ -12,6 +12,7 @@ pub struct ServeArgs {
     /// Address to listen on (loopback by default: nothing is exposed unless you ask).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// Port to listen on (a port in use is an error that says so).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// Require `Authorization: Bearer KEY` on /v1 requests.
