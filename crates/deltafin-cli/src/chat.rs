@@ -26,6 +26,8 @@ pub struct ChatArgs {
     /// A system message to start the conversation with.
     #[arg(long)]
     pub system: Option<String>,
+    #[command(flatten)]
+    pub sampling: crate::sampling_args::SamplingArgs,
 }
 
 const HELP: &str = "Type a message and press Enter (arrow keys edit, Up/Down recall earlier lines). End a line with \\ to \
@@ -148,6 +150,8 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
     let running = Running::default();
     let r = running.clone();
     ctrlc::set_handler(move || r.interrupt())?;
+    // One seed for the conversation: each token's draw depends on it and the token's position.
+    let sampling = a.sampling.sampling()?;
     let mut history: Vec<Message> = a.system.iter().map(|s| Message::new(Role::System, s.clone())).collect();
     let mut generator = deltafin::Generator::new(&model);
     let mut last_stats = None;
@@ -227,7 +231,7 @@ pub fn run_chat(a: ChatArgs) -> Result<()> {
         let ids = chat.render(&history, None)?;
         let cancel = running.start();
         let max_new = a.max_new.min(context.saturating_sub(ids.len())).max(1);
-        let opts = margs.generate_options(max_new).stop_ids(chat.stop_ids()).cancel(cancel.clone());
+        let opts = margs.generate_options(max_new).stop_ids(chat.stop_ids()).cancel(cancel.clone()).sampling(sampling);
         let mut spinner = tty_err.then(|| Spinner::start(cancel.clone(), ids.len(), layers, chunk.unwrap_or(ids.len())));
         let mut split = ReplySplitter::new(model.tokenizer(), true, vec![]);
         let (mut produced, mut last_id, started) = (0usize, None, std::time::Instant::now());

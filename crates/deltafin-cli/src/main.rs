@@ -4,6 +4,7 @@ mod batch;
 mod chat;
 mod plan;
 mod run;
+mod sampling_args;
 mod say;
 mod selftest;
 mod serve;

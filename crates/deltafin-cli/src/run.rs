@@ -172,6 +172,8 @@ pub struct RunArgs {
     /// Write the stats as JSON to this file.
     #[arg(long)]
     pub stats_json: Option<PathBuf>,
+    #[command(flatten)]
+    pub sampling: crate::sampling_args::SamplingArgs,
 }
 
 fn prompt_ids(model: &LoadedModel, a: &RunArgs) -> Result<Vec<u32>> {
@@ -214,7 +216,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     let stop_ids = if a.chat { model.chat()?.stop_ids() } else { Vec::new() };
     let opts_stop = stop_ids.clone();
-    let opts = a.model.generate_options(a.max_new).stop_ids(stop_ids);
+    let opts = a.model.generate_options(a.max_new).stop_ids(stop_ids).sampling(a.sampling.sampling()?);
     let mut out = std::io::stdout().lock();
     let mut dec = model.tokenizer().stream();
     let mut ids = Vec::new();

@@ -368,3 +368,49 @@ fn a_client_gone_during_its_prompt_is_counted_as_cancelled() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Seeded sampling through the API: the same request with the same seed gives the same text run
+/// after run, while other requests share its steps (`--max-batch 8`), and alone with drafts
+/// (`--max-batch 1 --draft ngram`); a request without a seed is told the one it got, which
+/// reproduces it; no temperature is greedy.
+#[test]
+fn a_seed_gives_the_same_text_alone_batched_and_drafted() {
+    let body = |seed: Option<u64>| {
+        let mut b = json!({"prompt": PROMPT_TEXT, "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "top_k": 50});
+        if let Some(s) = seed {
+            b["seed"] = json!(s);
+        }
+        b
+    };
+    let text = |s: &Server, b: &Value| {
+        let (st, v) = s.json("/v1/completions", b);
+        assert_eq!(st, 200, "{v}");
+        (v["choices"][0]["text"].as_str().unwrap().to_string(), v["seed"].as_u64())
+    };
+    let batched = start(&["--max-batch", "8", "--max-queue", "16"]);
+    let (want, seed) = text(&batched, &body(Some(1234)));
+    assert_eq!(seed, Some(1234), "the response names its seed");
+    std::thread::scope(|sc| {
+        let runs: Vec<_> = (0..10)
+            .map(|i| {
+                let b = if i % 2 == 0 { body(Some(1234)) } else { body(Some(i)) };
+                let s = &batched;
+                sc.spawn(move || (i, text(s, &b).0))
+            })
+            .collect();
+        for r in runs {
+            let (i, got) = r.join().unwrap();
+            if i % 2 == 0 {
+                assert_eq!(got, want, "run {i}: the same seed beside other requests");
+            }
+        }
+    });
+    let (drawn, seed) = text(&batched, &body(None));
+    let seed = seed.expect("a drawn seed is returned");
+    assert_eq!(text(&batched, &body(Some(seed))).0, drawn, "the returned seed reproduces the text");
+    let greedy = batched.json("/v1/completions", &json!({"prompt": PROMPT_TEXT, "max_tokens": 12})).1;
+    assert!(greedy.get("seed").is_none(), "greedy needs no seed: {greedy}");
+    drop(batched);
+    let drafted = start(&["--max-batch", "1", "--draft", "ngram", "--draft-fixed"]);
+    assert_eq!(text(&drafted, &body(Some(1234))).0, want, "with drafts, alone");
+}

@@ -38,7 +38,7 @@ pub use crate::{
         on_compute_threads, permute_for_mxfp4, permute_for_mxfp4_into, row_chunks, Isa, IsaKind, LinedRows, Mxfp4Matrix, PromptKernel,
         LANES,
     },
-    math::{argmax, rms_norm_in_place, situ, softmax_in_place, TRANSCENDENTAL_CONSTANTS},
+    math::{argmax, exp, rms_norm_in_place, situ, softmax_in_place, TRANSCENDENTAL_CONSTANTS},
     model::{
         chunked_delta_rule, expert_forward, expert_row_chunks, EmbedRows, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine,
         Recording, Residual, Route, LM_PREFIX,

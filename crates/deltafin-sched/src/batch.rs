@@ -17,7 +17,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use deltafin_core::{argmax, Mat};
+use deltafin_core::Mat;
 
 use crate::engine::{GenerateOptions, LogitRows, Step};
 use crate::error::{Error, Result};
@@ -450,8 +450,9 @@ impl<'m> Batcher<'m> {
                     k.keep_copy(&a.seq, self.model.engine().model().config());
                 }
             }
-            // A new token, chosen exactly as plain generation chooses it.
-            let t = argmax(last);
+            // A new token, chosen exactly as plain generation chooses it (at its position in the
+            // sequence, so a seeded draw is the one the job gets alone).
+            let t = a.job.opts.choose(last, a.seq.ids().len());
             a.generated += 1;
             a.first_token.get_or_insert_with(Instant::now);
             self.stats.generated_tokens += 1;

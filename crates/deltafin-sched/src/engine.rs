@@ -13,6 +13,7 @@ use deltafin_core::{argmax, Mat, Model};
 use deltafin_store::ExpertSource;
 
 use crate::error::{Error, Result};
+use crate::sample::Sampling;
 use crate::sequence::Sequence;
 use crate::stats::Stats;
 use crate::step::{Phase, Slot};
@@ -307,7 +308,8 @@ impl Engine {
         // What a drafter sees: every token so far, kept in step as tokens are emitted (not
         // rebuilt from the sequence at every step).
         let mut context = if drafter.is_some() { seq.ids.clone() } else { Vec::new() };
-        let mut next = argmax(&last);
+        // Each token is chosen at its position in the sequence: sampling draws depend on it alone.
+        let mut next = opts.choose(&last, seq.ids.len());
         // Draft lengths come from the live cost gate unless fixed by the options.
         let mut gate = (drafter.is_some() && opts.draft_gate).then(|| CostGate::new(opts.draft_max));
         let trace_gate = gate.is_some() && std::env::var_os("DELTAFIN_GATE_TRACE").is_some();
@@ -353,7 +355,9 @@ impl Engine {
                         self.step_inner(&mut [Slot::new(seq, &ids, Phase::Verify).hidden_states(&hidden)], opts.cancel.as_ref(), false)?;
                     read_wait += out.report.read_wait;
                     let rows = out.logits.into_iter().next().expect("one slot");
-                    let verdict = verify_greedy(&drafts, &rows);
+                    // Each draft is kept when it is the token plain decoding chooses at its
+                    // position (greedy: the argmax; sampled: the same seeded draw).
+                    let verdict = verify_chosen(&drafts, &rows, start, opts);
                     stats.verifies += 1;
                     stats.drafted += drafts.len() as u64;
                     stats.accepted += verdict.accepted as u64;
@@ -396,7 +400,7 @@ impl Engine {
             }
             read_wait += r.read_wait;
             last = l.row(0).to_vec();
-            next = argmax(&last);
+            next = opts.choose(&last, seq.ids.len());
             self.note_provisional(&r, next, &mut stats);
             if let Some(g) = gate.as_mut() {
                 g.note_plain(step_start.elapsed().as_secs_f64());
@@ -457,6 +461,8 @@ pub struct GenerateOptions {
     /// included); off, every step drafts `draft_max` (tests of exactness, benchmarks of the
     /// gate itself).
     pub draft_gate: bool,
+    /// How each token is chosen: `None` (or temperature 0) is greedy.
+    pub sampling: Option<Sampling>,
 }
 
 /// A shared flag that stops a generation, and a count of the layers it has walked (checked and
@@ -520,12 +526,39 @@ impl GenerateOptions {
         self.draft_gate = on;
         self
     }
+    /// Sample each token as `s` says (`None`: greedy).
+    pub fn sampling(mut self, s: Option<Sampling>) -> GenerateOptions {
+        self.sampling = s;
+        self
+    }
+    /// The token at `position` from `logits`, as these options choose it.
+    pub fn choose(&self, logits: &[f32], position: usize) -> u32 {
+        match &self.sampling {
+            Some(s) => s.choose(logits, position),
+            None => argmax(logits),
+        }
+    }
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None, draft_max: 4, draft_gate: true }
+        GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None, draft_max: 4, draft_gate: true, sampling: None }
     }
+}
+
+/// How many drafts plain decoding would also have chosen, and the token it chooses after them:
+/// row `i` of `rows` holds the logits at sequence position `first + i`.
+fn verify_chosen(drafts: &[u32], rows: &Mat, first: usize, opts: &GenerateOptions) -> deltafin_spec::Verdict {
+    if opts.sampling.as_ref().is_none_or(Sampling::is_greedy) {
+        return verify_greedy(drafts, rows);
+    }
+    for (i, &d) in drafts.iter().enumerate() {
+        let k3 = opts.choose(rows.row(i), first + i + 1);
+        if k3 != d {
+            return deltafin_spec::Verdict { accepted: i, next: k3 };
+        }
+    }
+    deltafin_spec::Verdict { accepted: drafts.len(), next: opts.choose(rows.row(drafts.len()), first + drafts.len() + 1) }
 }
 
 #[cfg(test)]

@@ -30,6 +30,7 @@ mod generator;
 mod kept;
 mod open;
 mod plan;
+mod sample;
 mod sequence;
 mod spine;
 mod stats;
@@ -46,6 +47,7 @@ pub use crate::{
     generator::{Generator, OnToken, Output},
     open::{EngineBuilder, LoadedModel, MemoryPlan, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT},
     plan::{model_sizes, size, ComputeRates, ModelSizes, Plan, PlanInput, LADDER_EFFICIENCY},
+    sample::{fresh_seed, Sampling},
     sequence::Sequence,
     stats::Stats,
     step::{Phase, Slot, StepOutput},

@@ -7,7 +7,7 @@ mod common;
 
 use common::{fixture, min_budget, two_drive_store};
 
-use deltafin_sched::{BatchEvent, BatchJob, Batcher, EngineBuilder, FinishReason, GenerateOptions, LoadedModel, LogitRows};
+use deltafin_sched::{BatchEvent, BatchJob, Batcher, EngineBuilder, FinishReason, GenerateOptions, LoadedModel, LogitRows, Sampling};
 
 fn jobs() -> Vec<BatchJob> {
     let p = |seed: u32, n: u32| (0..n).map(|i| (i * 37 + seed * 101 + 5) % 1000).collect::<Vec<u32>>();
@@ -19,6 +19,8 @@ fn jobs() -> Vec<BatchJob> {
         BatchJob::new(p(5, 1), GenerateOptions::new(1)),
         BatchJob::new(p(6, 11), GenerateOptions::new(0)).with_prompt_logits(),
         BatchJob::new(p(7, 8), GenerateOptions::new(7)).with_prompt_logits(),
+        // Sampled: the seeded draw at each position is the one it gets alone.
+        BatchJob::new(p(8, 5), GenerateOptions::new(15).sampling(Some(Sampling { top_k: 40, ..Sampling::new(0.9, 11) }))),
     ]
 }
 

@@ -388,6 +388,7 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         stop: stop.clone(),
         draft_max: s.cfg.draft_max,
         draft_gate: s.cfg.draft_gate,
+        sampling: req.sampling,
     };
     if ready.queue.submit(job).is_err() {
         return error(
@@ -559,6 +560,11 @@ async fn whole_response(
             "choices": [{"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish}]})
     };
     body["usage"] = usage(&turn, generated, cached);
+    if let Some(sm) = &turn.req.sampling {
+        // The seed it was sampled with (drawn here when none was sent): the same request with
+        // it gives the same text.
+        body["seed"] = json!(sm.seed);
+    }
     if let Some(stats) = &done {
         body["timings"] = timings(stats, cached);
     }
@@ -589,6 +595,9 @@ fn chunk(turn: &Turn, delta_or_text: Value, logprobs: Value, finish: Option<&str
     };
     if turn.req.include_usage {
         c["usage"] = Value::Null;
+    }
+    if let Some(sm) = &turn.req.sampling {
+        c["seed"] = json!(sm.seed);
     }
     c
 }

@@ -81,6 +81,9 @@ pub struct Request {
     /// Completions: the prompt comes back before the completion, with its tokens' logprobs if
     /// `logprobs` is set (prompt scoring; `max_tokens` may then be 0).
     pub echo: bool,
+    /// How tokens are chosen: `None` is greedy (no `temperature`, or 0). A sampled request
+    /// without a `seed` gets one drawn here, which the response returns.
+    pub sampling: Option<deltafin::Sampling>,
 }
 
 const COMMON: &[&str] = &[
@@ -94,6 +97,7 @@ const COMMON: &[&str] = &[
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "n",
     "seed",
     "logprobs",
@@ -148,7 +152,7 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
     let num = |k: &str| obj.get(k).filter(|v| !v.is_null());
     if let Some(n) = num("n") {
         if n.as_u64() != Some(1) {
-            return Err(ApiError::bad("n", "`n` must be 1: greedy decoding has exactly one answer"));
+            return Err(ApiError::bad("n", "`n` must be 1: one choice per request (send several, with different seeds, for more)"));
         }
     }
     if let Some(b) = num("best_of") {
@@ -163,31 +167,49 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
     if num("suffix").is_some() {
         return Err(ApiError::bad("suffix", "`suffix` (insertion) is not supported"));
     }
-    if let Some(t) = num("temperature") {
-        match t.as_f64() {
-            Some(x) if (0.0..=2.0).contains(&x) => {}
-            _ => {
-                return Err(ApiError::bad("temperature", "`temperature` must be a number in [0, 2] (output is greedy whatever its value)"))
-            }
+    let temperature = match num("temperature") {
+        None => 0.0,
+        Some(t) => match t.as_f64() {
+            Some(x) if (0.0..=2.0).contains(&x) => x as f32,
+            _ => return Err(ApiError::bad("temperature", "`temperature` must be a number in [0, 2] (0, the default, is greedy)")),
+        },
+    };
+    let top_p = match num("top_p") {
+        None => 1.0,
+        Some(t) => match t.as_f64() {
+            Some(x) if x > 0.0 && x <= 1.0 => x as f32,
+            _ => return Err(ApiError::bad("top_p", "`top_p` must be a number in (0, 1]")),
+        },
+    };
+    let top_k = match num("top_k") {
+        None => 0,
+        // -1 and 0 mean "off", as in vLLM and llama.cpp.
+        Some(t) => match t.as_i64() {
+            Some(k) if k >= -1 => k.max(0) as usize,
+            _ => return Err(ApiError::bad("top_k", "`top_k` must be an integer >= -1 (-1 and 0: off)")),
+        },
+    };
+    let min_p = match num("min_p") {
+        None => 0.0,
+        Some(t) => match t.as_f64() {
+            Some(x) if (0.0..=1.0).contains(&x) => x as f32,
+            _ => return Err(ApiError::bad("min_p", "`min_p` must be a number in [0, 1]")),
+        },
+    };
+    let seed = match num("seed") {
+        None => None,
+        Some(s) => {
+            Some(s.as_u64().or_else(|| s.as_i64().map(|v| v as u64)).ok_or_else(|| ApiError::bad("seed", "`seed` must be an integer"))?)
         }
-    }
-    if let Some(t) = num("top_p") {
-        match t.as_f64() {
-            Some(x) if x > 0.0 && x <= 1.0 => {}
-            _ => return Err(ApiError::bad("top_p", "`top_p` must be a number in (0, 1] (output is greedy whatever its value)")),
-        }
-    }
-    if let Some(t) = num("top_k") {
-        // Greedy is top_k 1; any other value (or -1 and 0, "off") changes nothing here either.
-        if t.as_i64().is_none_or(|k| k < -1) {
-            return Err(ApiError::bad("top_k", "`top_k` must be an integer >= -1 (output is greedy whatever its value)"));
-        }
-    }
-    if let Some(s) = num("seed") {
-        if s.as_i64().is_none() {
-            return Err(ApiError::bad("seed", "`seed` must be an integer"));
-        }
-    }
+    };
+    // Greedy unless a temperature above 0 asks otherwise: the engine's guarantee stays the default.
+    let sampling = (temperature > 0.0).then(|| deltafin::Sampling {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed: seed.unwrap_or_else(deltafin::fresh_seed),
+    });
     if let Some(u) = num("user") {
         if !u.is_string() {
             return Err(ApiError::bad("user", "`user` must be a string"));
@@ -265,7 +287,7 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
         return Err(ApiError::bad("echo", "`echo` cannot be streamed; leave out `stream`"));
     }
     let prompt = if chat { parse_chat(obj, parse_tools(obj)?)? } else { parse_text(obj)? };
-    Ok(Request { prompt, max_tokens, max_tokens_given, stop, logprobs, top_logprobs, stream, include_usage, echo })
+    Ok(Request { prompt, max_tokens, max_tokens_given, stop, logprobs, top_logprobs, stream, include_usage, echo, sampling })
 }
 
 fn parse_text(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
@@ -459,6 +481,27 @@ mod tests {
 
     fn chat(body: &str) -> Result<Request, ApiError> {
         parse(body.as_bytes(), true, 16)
+    }
+
+    #[test]
+    fn sampling_fields_choose_greedy_or_a_seeded_draw() {
+        let r = chat(r#"{"messages":[{"role":"user","content":"hi"}],"top_p":0.5,"seed":3}"#).unwrap();
+        assert_eq!(r.sampling, None, "no temperature: greedy, whatever else is sent");
+        let r = chat(r#"{"messages":[{"role":"user","content":"hi"}],"temperature":0}"#).unwrap();
+        assert_eq!(r.sampling, None);
+        let r = chat(r#"{"messages":[{"role":"user","content":"hi"}],"temperature":0.7,"top_p":0.9,"top_k":-1,"min_p":0.05,"seed":42}"#)
+            .unwrap();
+        let s = r.sampling.unwrap();
+        assert_eq!((s.temperature, s.top_p, s.top_k, s.min_p, s.seed), (0.7, 0.9, 0, 0.05, 42));
+        let r = chat(r#"{"messages":[{"role":"user","content":"hi"}],"temperature":1,"top_k":40}"#).unwrap();
+        let s = r.sampling.unwrap();
+        assert!(s.top_k == 40 && s.seed < (1u64 << 53), "a seed is drawn, small enough for JSON clients");
+        for (body, param) in [
+            (r#"{"messages":[{"role":"user","content":"hi"}],"temperature":1,"min_p":2}"#, "min_p"),
+            (r#"{"messages":[{"role":"user","content":"hi"}],"temperature":1,"seed":"x"}"#, "seed"),
+        ] {
+            assert_eq!(chat(body).unwrap_err().param.as_deref(), Some(param));
+        }
     }
 
     #[test]

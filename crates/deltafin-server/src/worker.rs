@@ -40,6 +40,8 @@ pub struct Job {
     /// step's length.
     pub draft_max: usize,
     pub draft_gate: bool,
+    /// How tokens are chosen (`None`: greedy).
+    pub sampling: Option<deltafin::Sampling>,
 }
 
 /// What the worker reports back.
@@ -177,7 +179,8 @@ fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
         .stop_ids(job.stop_ids.clone())
         .cancel(job.cancel.clone())
         .draft_max(job.draft_max)
-        .draft_gate(job.draft_gate);
+        .draft_gate(job.draft_gate)
+        .sampling(job.sampling);
     let mut out = JobOutput { job: &job, last: None };
     match generator.generate(&job.prompt, &opts, &mut out) {
         Ok(stats) => {
@@ -200,7 +203,7 @@ fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
 
 /// The batcher's job for a queued request.
 fn batch_job(job: &Job) -> BatchJob {
-    let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone());
+    let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone()).sampling(job.sampling);
     let b = BatchJob::new(job.prompt.clone(), opts);
     if job.prompt_logprobs.is_some() {
         b.with_prompt_logits()

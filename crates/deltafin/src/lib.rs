@@ -41,10 +41,10 @@ pub use deltafin_core::{
     ToolCall, ToolEvent, ToolTurn, RESERVED,
 };
 pub use deltafin_sched::{
-    argmax, model_sizes, size, BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, CacheMode, CachePolicy, Cancel, ComputeRates,
-    DraftWith, Engine, EngineBuilder, Error, FinishReason, GenerateOptions, Generator, JobId, LoadedModel, LogitRows, MemoryPlan,
-    ModelSizes, OnToken, Output, Phase, Plan, PlanInput, Result, Sequence, Slot, Stats, Step, StepOutput, AUTO_DRAFT_DIR,
-    DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT, LADDER_EFFICIENCY,
+    argmax, fresh_seed, model_sizes, size, BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, CacheMode, CachePolicy, Cancel,
+    ComputeRates, DraftWith, Engine, EngineBuilder, Error, FinishReason, GenerateOptions, Generator, JobId, LoadedModel, LogitRows,
+    MemoryPlan, ModelSizes, OnToken, Output, Phase, Plan, PlanInput, Result, Sampling, Sequence, Slot, Stats, Step, StepOutput,
+    AUTO_DRAFT_DIR, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT, LADDER_EFFICIENCY,
 };
 pub use deltafin_spec::{Drafter, NgramDrafter};
 pub use deltafin_store::{

@@ -6,8 +6,9 @@
 mod transcendental;
 
 use crate::kernels::{dot_f32, Isa, IsaKind};
+pub use transcendental::exp;
+pub(crate) use transcendental::tanh;
 pub use transcendental::CONSTANTS as TRANSCENDENTAL_CONSTANTS;
-pub(crate) use transcendental::{exp, tanh};
 
 /// `1 / (1 + e^-x)`.
 #[inline(always)]
