@@ -21,6 +21,7 @@ fn clients() {
         ("has_py_openai", ci || runs("python3", &["-c", "import openai"])),
         ("has_py_langchain", ci || runs("python3", &["-c", "import langchain_openai"])),
         ("has_node_openai", ci || (node_client.exists() && runs("node", &["--version"]))),
+        ("has_chromium", ci || (runs("chromedriver", &["--version"]) && std::path::Path::new("/usr/bin/chromium").exists())),
     ] {
         println!("cargo:rustc-check-cfg=cfg({cfg})");
         if present {

@@ -37,11 +37,18 @@ fn chat_and_completion_shapes_and_determinism() {
     let text = |v: &Value| format!("{}|{}", v["choices"][0]["message"]["reasoning_content"], v["choices"][0]["message"]["content"]);
     let (_, b) = s.json("/v1/chat/completions", &chat_body("Numbers matter here", 6));
     assert_eq!(text(&a), text(&b), "same request, same output");
-    // temperature / top_p are accepted and change nothing.
+    // top_p without a temperature, or temperature 0, change nothing: greedy is the default.
+    let mut cold = chat_body("Numbers matter here", 6);
+    cold["temperature"] = json!(0);
+    cold["top_p"] = json!(0.5);
+    assert_eq!(text(&s.json("/v1/chat/completions", &cold).1), text(&a));
+    // A temperature samples, with the seed the response names: the same again with it.
     let mut hot = chat_body("Numbers matter here", 6);
     hot["temperature"] = json!(1.5);
-    hot["top_p"] = json!(0.5);
-    assert_eq!(text(&s.json("/v1/chat/completions", &hot).1), text(&a));
+    let first = s.json("/v1/chat/completions", &hot).1;
+    hot["seed"] = first["seed"].clone();
+    assert!(first["seed"].is_u64(), "{first}");
+    assert_eq!(text(&s.json("/v1/chat/completions", &hot).1), text(&first));
     // Completions: the fixture's reference continuation.
     let (st, c) = s.json("/v1/completions", &json!({"prompt": "Numbers matter here too: 12 boats and 42 answers.", "max_tokens": 3}));
     assert_eq!(st, 200);

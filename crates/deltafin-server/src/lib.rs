@@ -208,6 +208,7 @@ pub fn serve_blocking(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedMod
 
 fn router(state: Shared) -> Router {
     Router::new()
+        .route("/", get(page))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
@@ -219,6 +220,24 @@ fn router(state: Shared) -> Router {
         // Bodies are read by the handlers (`read_body`): a JSON 413 and a read timeout.
         .layer(DefaultBodyLimit::disable())
         .with_state(state)
+}
+
+/// The chat page: one self-contained file (`page.html`), no key needed to load it (its requests
+/// to /v1 carry the key, which it asks for when the server wants one).
+async fn page(State(s): State<Shared>) -> Response {
+    s.metrics.status(200);
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            // Nothing but this server: the page loads no other origin's code.
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
+            ),
+        ],
+        include_str!("page.html"),
+    )
+        .into_response()
 }
 
 async fn not_found(State(s): State<Shared>, uri: axum::http::Uri) -> Response {
