@@ -130,9 +130,8 @@ fn security_defaults_metrics_behind_the_key_any_case_bearer_and_a_body_timeout()
 
 #[test]
 fn listening_beyond_loopback_without_a_key_warns() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut child = bin()
-        .args(["serve", "--host", "0.0.0.0", "--port", &port.to_string(), "--model"])
+        .args(["serve", "--host", "0.0.0.0", "--port", "0", "--model"])
         .arg(common::fixture())
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
@@ -187,9 +186,8 @@ fn a_model_that_is_missing_or_fails_to_load_ends_the_server_with_an_error() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no such model"), "{}", String::from_utf8_lossy(&out.stderr));
     // A folder that exists but is no model: the load fails after listening; the server exits.
     let tmp = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let t0 = Instant::now();
-    let out = bin().args(["serve", "--port", &port.to_string(), "--model"]).arg(tmp.path()).output().unwrap();
+    let out = bin().args(["serve", "--port", "0", "--model"]).arg(tmp.path()).output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("loading the model failed"));
     assert!(t0.elapsed() < Duration::from_secs(20));

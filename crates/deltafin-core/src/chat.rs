@@ -85,6 +85,8 @@ pub fn attr_of(tag: &str, name: &str) -> Option<String> {
 /// Renders conversations with a tokenizer's control ids.
 pub struct ChatFormat<'a> {
     tok: &'a Tokenizer,
+    /// Set by the caller to stop rendering mid-text (a request that went away).
+    stop: Option<&'a std::sync::atomic::AtomicBool>,
     open: u32,
     close: u32,
     sep: u32,
@@ -96,7 +98,30 @@ impl<'a> ChatFormat<'a> {
     pub fn new(tok: &'a Tokenizer) -> Result<Self> {
         let get =
             |n: &str| tok.special(n).ok_or_else(|| Error::Tokenizer(format!("the tokenizer has no `{n}` token; the chat format needs it")));
-        Ok(ChatFormat { tok, open: get("<|open|>")?, close: get("<|close|>")?, sep: get("<|sep|>")?, end_of_msg: get("<|end_of_msg|>")? })
+        Ok(ChatFormat {
+            tok,
+            stop: None,
+            open: get("<|open|>")?,
+            close: get("<|close|>")?,
+            sep: get("<|sep|>")?,
+            end_of_msg: get("<|end_of_msg|>")?,
+        })
+    }
+
+    /// Rendering stops with [`Error::Stopped`] once `flag` is set, checked between the text's
+    /// pieces as it is tokenized.
+    pub fn stop_when(mut self, flag: &'a std::sync::atomic::AtomicBool) -> Self {
+        self.stop = Some(flag);
+        self
+    }
+
+    /// User-supplied text as ordinary tokens, stopping if asked to.
+    fn text(&self, text: &str) -> Result<Vec<u32>> {
+        match self.stop {
+            None => Ok(self.tok.encode_ordinary(text)),
+            // No token limit here (the caller bounds the text before rendering).
+            Some(flag) => Ok(self.tok.encode_ordinary_until(text, usize::MAX, Some(flag))?.unwrap_or_default()),
+        }
     }
 
     fn open(&self, out: &mut Vec<u32>, tag_and_attrs: &str) {
@@ -111,10 +136,11 @@ impl<'a> ChatFormat<'a> {
         out.push(self.sep);
     }
 
-    fn element(&self, out: &mut Vec<u32>, tag: &str, text: &str) {
+    fn element(&self, out: &mut Vec<u32>, tag: &str, text: &str) -> Result<()> {
         self.open(out, tag);
-        out.extend(self.tok.encode_ordinary(text));
+        out.extend(self.text(text)?);
         self.close(out, tag);
+        Ok(())
     }
 
     /// Renders `messages` and opens the assistant turn (ready to generate the `think` part).
@@ -141,13 +167,13 @@ impl<'a> ChatFormat<'a> {
                 return Err(Error::Tokenizer(format!("reasoning effort {effort:?} is not one of low, high, max")));
             }
             self.open(&mut out, "message role=\"system\" type=\"thinking-effort\"");
-            out.extend(self.tok.encode_ordinary(effort));
+            out.extend(self.text(effort)?);
             self.close(&mut out, "message");
             out.push(self.end_of_msg);
         }
         if let Some(tools) = tools {
             self.open(&mut out, "message role=\"system\" type=\"tool-declare\"");
-            out.extend(self.tok.encode_ordinary(tools));
+            out.extend(self.text(tools)?);
             self.close(&mut out, "message");
             out.push(self.end_of_msg);
         }
@@ -159,16 +185,16 @@ impl<'a> ChatFormat<'a> {
                 _ => self.open(&mut out, &format!("message role=\"{}\"", m.role.name())),
             }
             if m.role == Role::Assistant {
-                self.element(&mut out, "think", m.reasoning.as_deref().unwrap_or(""));
-                self.element(&mut out, "response", &m.content);
+                self.element(&mut out, "think", m.reasoning.as_deref().unwrap_or(""))?;
+                self.element(&mut out, "response", &m.content)?;
                 for c in &m.tool_calls {
                     let tag = format!("tool_call id=\"{}\" name=\"{}\"", attr_value(&c.id), attr_value(&c.name));
                     self.open(&mut out, &tag);
-                    out.extend(self.tok.encode_ordinary(&c.arguments));
+                    out.extend(self.text(&c.arguments)?);
                     self.close(&mut out, "tool_call");
                 }
             } else {
-                out.extend(self.tok.encode_ordinary(&m.content));
+                out.extend(self.text(&m.content)?);
             }
             self.close(&mut out, "message");
             out.push(self.end_of_msg);
@@ -177,7 +203,7 @@ impl<'a> ChatFormat<'a> {
         match turn {
             ToolTurn::Free => self.open(&mut out, "think"),
             ToolTurn::Required | ToolTurn::Named(_) => {
-                self.element(&mut out, "think", "");
+                self.element(&mut out, "think", "")?;
                 out.push(self.open);
                 let head = match turn {
                     ToolTurn::Named(name) => format!("tool_call name=\"{}\"", attr_value(name)),

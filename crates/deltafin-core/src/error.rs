@@ -33,6 +33,9 @@ pub enum Error {
     /// The sequence outgrew a budgeted limit (for example the MLA cache).
     #[error("context limit: {0}")]
     ContextLimit(String),
+    /// Tokenizing was stopped by its caller (the request it served went away).
+    #[error("tokenizing was stopped")]
+    Stopped,
 }
 
 /// Result alias used across the crate.

@@ -8,6 +8,7 @@
 mod split;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use base64::Engine as _;
 
@@ -151,17 +152,32 @@ impl Tokenizer {
     /// tokens (`None`), so text too long for a context costs no more than the context's worth of
     /// work. `Some` holds exactly `encode_ordinary`'s ids.
     pub fn encode_ordinary_within(&self, text: &str, max_tokens: usize) -> Option<Vec<u32>> {
+        self.encode_ordinary_until(text, max_tokens, None).ok().flatten()
+    }
+
+    /// [`Tokenizer::encode_ordinary_within`] that also gives up, with [`Error::Stopped`], once
+    /// `stop` is set (checked between pieces: a request that goes away mid-text stops its
+    /// tokenizing within a piece's work).
+    pub fn encode_ordinary_until(&self, text: &str, max_tokens: usize, stop: Option<&AtomicBool>) -> Result<Option<Vec<u32>>> {
         let mut out = Vec::new();
         // A text with fewer bytes than tokens does not exist: skip the work when even the
         // longest tokens could not fit it.
         if text.len() / self.max_token_len.max(1) > max_tokens {
-            return None;
+            return Ok(None);
         }
+        let mut stopped = false;
         let complete = self.split.for_each_piece(text, &mut |piece| {
+            if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+                stopped = true;
+                return false;
+            }
             self.encode_piece(piece.as_bytes(), &mut out);
             out.len() <= max_tokens
         });
-        (complete && out.len() <= max_tokens).then_some(out)
+        if stopped {
+            return Err(Error::Stopped);
+        }
+        Ok((complete && out.len() <= max_tokens).then_some(out))
     }
 
     /// Encodes text where special spellings (`<|open|>`, `[EOS]`, ...) become their ids. Only for

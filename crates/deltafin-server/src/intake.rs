@@ -46,7 +46,13 @@ pub(crate) fn build_prompt(
     model: &LoadedModel,
     req: Request,
     chat: bool,
+    gone: &std::sync::atomic::AtomicBool,
 ) -> Result<(Request, Vec<u32>, Vec<u32>, Option<Option<Vec<u32>>>), ApiError> {
+    // A client that goes away stops its tokenizing between pieces (`gone`).
+    let stopped = |e: deltafin::CoreError| match e {
+        deltafin::CoreError::Stopped => api_error(499, "invalid_request_error", "the client went away"),
+        e => ApiError::bad(if chat { "messages" } else { "prompt" }, e.to_string()),
+    };
     let limit = model.new_sequence().context_limit();
     let prompt_param = if chat { "messages" } else { "prompt" };
     let too_long = || ApiError::bad(prompt_param, format!("the prompt is longer than the context limit of {limit} tokens"));
@@ -68,12 +74,10 @@ pub(crate) fn build_prompt(
             if text / tok.max_token_len() > limit {
                 return Err(too_long());
             }
-            let fmt = model.chat().map_err(|e| api_error(500, "server_error", e.to_string()))?;
+            let fmt = model.chat().map_err(|e| api_error(500, "server_error", e.to_string()))?.stop_when(gone);
             let turn_kind = tools.as_ref().map_or(deltafin::ToolTurn::Free, |t| t.choice.clone());
             let declared = tools.as_ref().map(|t| t.declared.as_str());
-            let ids = fmt
-                .render_with_tools(messages, reasoning_effort.as_deref(), declared, &turn_kind)
-                .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+            let ids = fmt.render_with_tools(messages, reasoning_effort.as_deref(), declared, &turn_kind).map_err(stopped)?;
             if tools.is_some() {
                 // A required or named call: the prompt ends inside the opened `tool_call`
                 // tag, whose text so far the reply parser must know.
@@ -84,7 +88,10 @@ pub(crate) fn build_prompt(
             }
             (ids, fmt.stop_ids())
         }
-        Prompt::Text(t) => (tok.encode_ordinary_within(t, limit).ok_or_else(too_long)?, tok.special("[EOS]").into_iter().collect()),
+        Prompt::Text(t) => (
+            tok.encode_ordinary_until(t, limit, Some(gone)).map_err(stopped)?.ok_or_else(too_long)?,
+            tok.special("[EOS]").into_iter().collect(),
+        ),
         Prompt::Ids(ids) => {
             let vocab = tok.vocab_len();
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {

@@ -158,6 +158,8 @@ pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel,
             let _ = failed_tx.send(e);
         }
     });
+    // The address bound (with `--port 0`, the port the system chose): tests and scripts read it.
+    let addr = listener.local_addr().map_or(addr, |a| a.to_string());
     tracing::info!(%addr, "listening on http://{addr}/v1");
     let failed = Arc::new(std::sync::Mutex::new(None));
     let f = failed.clone();
@@ -386,7 +388,11 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         return error(&s, api_error(503, "server_error", "the server is shutting down"));
     };
     let m = model.clone();
-    let built = tokio::task::spawn_blocking(move || build_prompt(&m, req, chat)).await;
+    // Set when this handler is dropped (its client went away): the tokenizing stops between
+    // pieces instead of finishing a text nobody waits for.
+    let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let _gone = SetOnDrop(gone.clone());
+    let built = tokio::task::spawn_blocking(move || build_prompt(&m, req, chat, &gone)).await;
     let (req, prompt, stop_ids, tool_turn) = match built {
         Ok(Ok(b)) => b,
         Ok(Err(e)) => return error(&s, e),
@@ -433,6 +439,14 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         stream_response(s, model, turn, rx, guard)
     } else {
         whole_response(s, model, turn, rx, guard).await
+    }
+}
+
+/// Sets its flag when dropped.
+struct SetOnDrop(Arc<std::sync::atomic::AtomicBool>);
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 

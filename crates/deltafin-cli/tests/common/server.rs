@@ -26,21 +26,15 @@ pub fn start(extra: &[&str]) -> Server {
 }
 
 pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let child = Command::new(env!("CARGO_BIN_EXE_deltafin"))
-        .args(["serve", "--model"])
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+    cmd.args(["serve", "--model"])
         .arg(fixture())
-        .args(["--port", &port.to_string()])
         .args(if extra.contains(&"--context") { &[][..] } else { &["--context", "512"][..] })
         .args(extra)
         .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+        .stdout(Stdio::null());
+    let (child, port) = spawn_on_free_port(cmd, &log);
     let s = Server { child, port };
     let t0 = Instant::now();
     loop {
@@ -49,6 +43,37 @@ pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
         }
         assert!(t0.elapsed() < Duration::from_secs(30), "server did not become healthy");
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Starts a `serve` command on `--port 0` (unless it names a port) with its log in `log`, and
+/// returns the child and the port the system gave it, read from the log's "listening on" line:
+/// no port is picked in advance, so servers of tests running side by side can never share one.
+pub fn spawn_on_free_port(mut cmd: Command, log: &tempfile::NamedTempFile) -> (Child, u16) {
+    let given =
+        cmd.get_args().position(|a| a == "--port").and_then(|i| cmd.get_args().nth(i + 1)).map(|p| p.to_string_lossy().into_owned());
+    if given.is_none() {
+        cmd.args(["--port", "0"]);
+    }
+    let mut child = cmd.env("NO_COLOR", "1").stderr(log.reopen().unwrap()).spawn().unwrap();
+    if let Some(p) = given {
+        return (child, p.parse().unwrap());
+    }
+    let t0 = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+        if let Some(at) = text.find("listening on http://") {
+            let rest = &text[at + "listening on http://".len()..];
+            let addr = rest.split("/v1").next().unwrap_or("");
+            if let Some(port) = addr.rsplit(':').next().and_then(|p| p.parse().ok()) {
+                return (child, port);
+            }
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("deltafin serve exited ({status}) before listening: {text}");
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "deltafin serve did not say where it listens: {text}");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
