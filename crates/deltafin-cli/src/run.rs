@@ -289,15 +289,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         eprintln!("opened the model in {open_s:.3} s (before the prompt's TTFT)");
         eprintln!("computed on {}", compute.name());
         if let Some(g) = compute.gpu_stats() {
-            eprintln!(
-                "GPU: {:.3} s in its operations (copies included); {:.1} MB of weights uploaded, {:.1} MB kept, {:.1} MB evicted; {} products, {} computed by the CPU instead",
-                g.gpu_s,
-                g.uploaded_bytes as f64 / 1e6,
-                g.resident_bytes as f64 / 1e6,
-                g.evicted_bytes as f64 / 1e6,
-                g.gpu_products,
-                g.cpu_fallbacks
-            );
+            eprintln!("{}", g.summary());
         }
         eprintln!("{}", stats.summary());
     }

@@ -218,14 +218,7 @@ pub fn run_selftest(a: SelftestArgs) -> Result<()> {
         }
     }
     if let Some(g) = compute.gpu_stats() {
-        println!(
-            "GPU: {:.1} s in its operations, {:.1} MB uploaded, {:.1} MB evicted, {} products, {} computed by the CPU instead",
-            g.gpu_s,
-            g.uploaded_bytes as f64 / 1e6,
-            g.evicted_bytes as f64 / 1e6,
-            g.gpu_products,
-            g.cpu_fallbacks
-        );
+        println!("{}", g.summary());
     }
     if failed > 0 {
         bail!("{failed} of {} models differ from the CPU", a.models.len());

@@ -85,8 +85,8 @@ pub fn attr_of(tag: &str, name: &str) -> Option<String> {
 /// Renders conversations with a tokenizer's control ids.
 pub struct ChatFormat<'a> {
     tok: &'a Tokenizer,
-    /// Set by the caller to stop rendering mid-text (a request that went away).
-    stop: Option<&'a std::sync::atomic::AtomicBool>,
+    /// Asked between pieces of text: true stops rendering (a request that went away).
+    stop: Option<&'a dyn Fn() -> bool>,
     open: u32,
     close: u32,
     sep: u32,
@@ -108,10 +108,10 @@ impl<'a> ChatFormat<'a> {
         })
     }
 
-    /// Rendering stops with [`Error::Stopped`] once `flag` is set, checked between the text's
+    /// Rendering stops with [`Error::Stopped`] once `stop()` is true, asked between the text's
     /// pieces as it is tokenized.
-    pub fn stop_when(mut self, flag: &'a std::sync::atomic::AtomicBool) -> Self {
-        self.stop = Some(flag);
+    pub fn stop_when(mut self, stop: &'a dyn Fn() -> bool) -> Self {
+        self.stop = Some(stop);
         self
     }
 
@@ -120,7 +120,7 @@ impl<'a> ChatFormat<'a> {
         match self.stop {
             None => Ok(self.tok.encode_ordinary(text)),
             // No token limit here (the caller bounds the text before rendering).
-            Some(flag) => Ok(self.tok.encode_ordinary_until(text, usize::MAX, Some(flag))?.unwrap_or_default()),
+            Some(stop) => Ok(self.tok.encode_ordinary_until(text, usize::MAX, stop)?.unwrap_or_default()),
         }
     }
 

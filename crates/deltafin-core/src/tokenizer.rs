@@ -8,7 +8,6 @@
 mod split;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use base64::Engine as _;
 
@@ -152,13 +151,13 @@ impl Tokenizer {
     /// tokens (`None`), so text too long for a context costs no more than the context's worth of
     /// work. `Some` holds exactly `encode_ordinary`'s ids.
     pub fn encode_ordinary_within(&self, text: &str, max_tokens: usize) -> Option<Vec<u32>> {
-        self.encode_ordinary_until(text, max_tokens, None).ok().flatten()
+        self.encode_ordinary_until(text, max_tokens, &|| false).ok().flatten()
     }
 
     /// [`Tokenizer::encode_ordinary_within`] that also gives up, with [`Error::Stopped`], once
-    /// `stop` is set (checked between pieces: a request that goes away mid-text stops its
+    /// `stop()` is true (asked between pieces: a request that goes away mid-text stops its
     /// tokenizing within a piece's work).
-    pub fn encode_ordinary_until(&self, text: &str, max_tokens: usize, stop: Option<&AtomicBool>) -> Result<Option<Vec<u32>>> {
+    pub fn encode_ordinary_until(&self, text: &str, max_tokens: usize, stop: &dyn Fn() -> bool) -> Result<Option<Vec<u32>>> {
         let mut out = Vec::new();
         // A text with fewer bytes than tokens does not exist: skip the work when even the
         // longest tokens could not fit it.
@@ -167,7 +166,7 @@ impl Tokenizer {
         }
         let mut stopped = false;
         let complete = self.split.for_each_piece(text, &mut |piece| {
-            if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            if stop() {
                 stopped = true;
                 return false;
             }

@@ -50,6 +50,22 @@ pub struct CudaStats {
     pub gpu_s: f64,
 }
 
+impl CudaStats {
+    /// One line for people (`--stats`, `selftest`, the GPU bench).
+    pub fn summary(&self) -> String {
+        format!(
+            "GPU: {:.3} s in its operations (copies included); {:.1} MB of weights uploaded, {:.1} MB kept, {:.1} MB evicted; \
+             {} products, {} computed by the CPU instead",
+            self.gpu_s,
+            self.uploaded_bytes as f64 / 1e6,
+            self.resident_bytes as f64 / 1e6,
+            self.evicted_bytes as f64 / 1e6,
+            self.gpu_products,
+            self.cpu_fallbacks
+        )
+    }
+}
+
 struct SpineEntry {
     /// Held so the key's address cannot be taken by other bytes.
     id: BytesId,

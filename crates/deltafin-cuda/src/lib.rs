@@ -32,7 +32,7 @@ pub use backend::{CudaBackend, CudaStats};
 
 pub use layout::{bf16_lanes, mxfp4_lanes};
 pub use libs::{load_nvrtc, NVRTC_WHEEL};
-pub use probe::{probe, Values};
+pub use probe::{probe, situ_inputs, Values};
 
 /// The kernels' CUDA C source, without the constants [`kernel_source`] puts before it.
 pub const KERNELS: &str = include_str!("kernels.cu");

@@ -32,6 +32,31 @@ fn mismatch(what: String) -> GpuError {
     GpuError::Mismatch(format!("{what}; this GPU, driver or NVRTC does not give the CPU's bits (use `--backend cpu`, and report it)"))
 }
 
+/// Values SiTU must agree on, at least `n` of them: the special ones, powers of two and their
+/// neighbours, 64 values either side of tanh's switch and exp's clamps, then random values of
+/// every sign and of exponents from 2^-20 to 2^9 (the probe takes 4,096, `deltafin-gpu-check`
+/// two million).
+pub fn situ_inputs(n: usize) -> Vec<f32> {
+    let mut v = vec![0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MIN_POSITIVE, f32::MAX, f32::MIN, 1e-45, -1e-45];
+    for e in -30..=30 {
+        let x = 2f32.powi(e);
+        v.extend([x, -x, f32::from_bits(x.to_bits() + 1), -f32::from_bits(x.to_bits() - 1)]);
+    }
+    for c in [0.75f32, 88.72, 89.0, 103.97, 104.0] {
+        for d in -64i32..=64 {
+            let x = f32::from_bits((c.to_bits() as i32 + d) as u32);
+            v.extend([x, -x]);
+        }
+    }
+    let mut rng = Values(77);
+    while v.len() < n {
+        // Sign, exponent in [2^-20, 2^9], full mantissa.
+        let bits = ((rng.bits() as u32) & 0x807f_ffff) | (((107 + rng.bits() % 30) as u32) << 23);
+        v.push(f32::from_bits(bits));
+    }
+    v
+}
+
 /// Runs the probe on `gpu`.
 pub fn probe(gpu: &Gpu) -> Result<()> {
     let isa = Isa::best();
@@ -76,17 +101,9 @@ pub fn probe(gpu: &Gpu) -> Result<()> {
             }
         }
     }
-    // SiTU: zeros, infinities, NaN, subnormals, tanh's switch at 0.75, exp's clamps, and more.
-    let mut gate = vec![0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-45, -1e-45, f32::MAX, f32::MIN];
-    for c in [0.75f32, 88.72, 89.0, 104.0, 1e-20, 3.0] {
-        for d in -8i32..=8 {
-            let x = f32::from_bits((c.to_bits() as i32 + d) as u32);
-            gate.extend([x, -x]);
-        }
-    }
-    while gate.len() < 4096 {
-        gate.push(v.unit() * 2f32.powi((v.bits() % 24) as i32 - 8));
-    }
+    // SiTU: zeros, infinities, NaN, subnormals, powers of two, tanh's switch at 0.75, exp's
+    // clamps, and random values.
+    let gate = situ_inputs(4096);
     let up: Vec<f32> = gate.iter().rev().map(|g| g * 3.0).collect();
     let stream = gpu.stream();
     let mut ud = stream.clone_htod(&up)?;

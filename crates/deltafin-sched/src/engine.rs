@@ -17,7 +17,7 @@ use crate::sample::Sampling;
 use crate::sequence::Sequence;
 use crate::stats::Stats;
 use crate::step::{Phase, Slot};
-use deltafin_spec::{verify_greedy, CostGate, Drafter};
+use deltafin_spec::{verify_with, CostGate, Drafter};
 use deltafin_store::peak_rss_bytes;
 
 /// How many of the last layer's expert reads are still outstanding when the next token's guess
@@ -357,7 +357,8 @@ impl Engine {
                     let rows = out.logits.into_iter().next().expect("one slot");
                     // Each draft is kept when it is the token plain decoding chooses at its
                     // position (greedy: the argmax; sampled: the same seeded draw).
-                    let verdict = verify_chosen(&drafts, &rows, start, opts);
+                    // Row i predicts position start + i + 1.
+                    let verdict = verify_with(&drafts, &rows, |row, i| opts.choose(row, start + i + 1));
                     stats.verifies += 1;
                     stats.drafted += drafts.len() as u64;
                     stats.accepted += verdict.accepted as u64;
@@ -544,21 +545,6 @@ impl Default for GenerateOptions {
     fn default() -> Self {
         GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None, draft_max: 4, draft_gate: true, sampling: None }
     }
-}
-
-/// How many drafts plain decoding would also have chosen, and the token it chooses after them:
-/// row `i` of `rows` holds the logits at sequence position `first + i`.
-fn verify_chosen(drafts: &[u32], rows: &Mat, first: usize, opts: &GenerateOptions) -> deltafin_spec::Verdict {
-    if opts.sampling.as_ref().is_none_or(Sampling::is_greedy) {
-        return verify_greedy(drafts, rows);
-    }
-    for (i, &d) in drafts.iter().enumerate() {
-        let k3 = opts.choose(rows.row(i), first + i + 1);
-        if k3 != d {
-            return deltafin_spec::Verdict { accepted: i, next: k3 };
-        }
-    }
-    deltafin_spec::Verdict { accepted: drafts.len(), next: opts.choose(rows.row(drafts.len()), first + drafts.len() + 1) }
 }
 
 #[cfg(test)]

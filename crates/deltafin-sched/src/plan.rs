@@ -39,8 +39,8 @@ impl ComputeRates {
     /// 7168-square BF16 matrix, larger than any cache): about two seconds.
     pub fn measure(cfg: &K3Config, backend: &dyn Backend) -> ComputeRates {
         let shape = cfg.expert_shape();
-        let (pb, sb) = (shape.packed_bytes(), shape.scale_bytes());
-        let layout = ExpertLayout { offsets: [0, pb, pb + sb, 2 * pb + sb, 2 * pb + 2 * sb, 3 * pb + 2 * sb], shape };
+        let sb = shape.scale_bytes();
+        let layout = ExpertLayout::packed(shape);
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = move || {
             x ^= x << 13;

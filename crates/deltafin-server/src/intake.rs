@@ -46,9 +46,10 @@ pub(crate) fn build_prompt(
     model: &LoadedModel,
     req: Request,
     chat: bool,
-    gone: &std::sync::atomic::AtomicBool,
+    cancel: &deltafin::Cancel,
 ) -> Result<(Request, Vec<u32>, Vec<u32>, Option<Option<Vec<u32>>>), ApiError> {
-    // A client that goes away stops its tokenizing between pieces (`gone`).
+    // A client that goes away (its request's `cancel` set) stops its tokenizing between pieces.
+    let gone = || cancel.is_cancelled();
     let stopped = |e: deltafin::CoreError| match e {
         deltafin::CoreError::Stopped => api_error(499, "invalid_request_error", "the client went away"),
         e => ApiError::bad(if chat { "messages" } else { "prompt" }, e.to_string()),
@@ -74,7 +75,7 @@ pub(crate) fn build_prompt(
             if text / tok.max_token_len() > limit {
                 return Err(too_long());
             }
-            let fmt = model.chat().map_err(|e| api_error(500, "server_error", e.to_string()))?.stop_when(gone);
+            let fmt = model.chat().map_err(|e| api_error(500, "server_error", e.to_string()))?.stop_when(&gone);
             let turn_kind = tools.as_ref().map_or(deltafin::ToolTurn::Free, |t| t.choice.clone());
             let declared = tools.as_ref().map(|t| t.declared.as_str());
             let ids = fmt.render_with_tools(messages, reasoning_effort.as_deref(), declared, &turn_kind).map_err(stopped)?;
@@ -88,10 +89,9 @@ pub(crate) fn build_prompt(
             }
             (ids, fmt.stop_ids())
         }
-        Prompt::Text(t) => (
-            tok.encode_ordinary_until(t, limit, Some(gone)).map_err(stopped)?.ok_or_else(too_long)?,
-            tok.special("[EOS]").into_iter().collect(),
-        ),
+        Prompt::Text(t) => {
+            (tok.encode_ordinary_until(t, limit, &gone).map_err(stopped)?.ok_or_else(too_long)?, tok.special("[EOS]").into_iter().collect())
+        }
         Prompt::Ids(ids) => {
             let vocab = tok.vocab_len();
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {

@@ -388,11 +388,13 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         return error(&s, api_error(503, "server_error", "the server is shutting down"));
     };
     let m = model.clone();
-    // Set when this handler is dropped (its client went away): the tokenizing stops between
-    // pieces instead of finishing a text nobody waits for.
-    let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let _gone = SetOnDrop(gone.clone());
-    let built = tokio::task::spawn_blocking(move || build_prompt(&m, req, chat, &gone)).await;
+    // Set when this handler is dropped (its client went away), from here on: the tokenizing
+    // stops between pieces instead of finishing a text nobody waits for, and so does the
+    // generation later.
+    let cancel = Cancel::new();
+    let guard = CancelOnDrop(cancel.clone());
+    let c = cancel.clone();
+    let built = tokio::task::spawn_blocking(move || build_prompt(&m, req, chat, &c)).await;
     let (req, prompt, stop_ids, tool_turn) = match built {
         Ok(Ok(b)) => b,
         Ok(Err(e)) => return error(&s, e),
@@ -400,7 +402,6 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
     };
     drop(_turn);
     let (tx, rx) = unbounded_channel();
-    let cancel = Cancel::new();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let job = Job {
         prompt: prompt.clone(),
@@ -432,21 +433,12 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         stop,
         tool_turn,
     };
-    let guard = CancelOnDrop(cancel);
     if turn.req.stream {
         // A stream's status is sent now, whatever follows.
         s.metrics.status(200);
         stream_response(s, model, turn, rx, guard)
     } else {
         whole_response(s, model, turn, rx, guard).await
-    }
-}
-
-/// Sets its flag when dropped.
-struct SetOnDrop(Arc<std::sync::atomic::AtomicBool>);
-impl Drop for SetOnDrop {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
     }
 }
 

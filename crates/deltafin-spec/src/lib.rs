@@ -57,14 +57,21 @@ pub struct Verdict {
 /// Verifies `draft` against K3's logits. `logits` row `i` holds K3's distribution after the
 /// context plus `draft[..i]` (so `logits.rows == draft.len() + 1`).
 pub fn verify_greedy(draft: &[u32], logits: &Mat) -> Verdict {
+    verify_with(draft, logits, |row, _| argmax(row))
+}
+
+/// [`verify_greedy`] with K3's choice at each row made by `choose(logits row, row index)` (a
+/// seeded sampler's draw, say): a draft is kept when it is the token chosen there, so the
+/// emitted tokens are those plain decoding with the same `choose` emits.
+pub fn verify_with(draft: &[u32], logits: &Mat, choose: impl Fn(&[f32], usize) -> u32) -> Verdict {
     assert_eq!(logits.rows, draft.len() + 1, "one logits row per draft position plus one");
     for (i, &d) in draft.iter().enumerate() {
-        let k3 = argmax(logits.row(i));
+        let k3 = choose(logits.row(i), i);
         if k3 != d {
             return Verdict { accepted: i, next: k3 };
         }
     }
-    Verdict { accepted: draft.len(), next: argmax(logits.row(draft.len())) }
+    Verdict { accepted: draft.len(), next: choose(logits.row(draft.len()), draft.len()) }
 }
 
 #[cfg(test)]

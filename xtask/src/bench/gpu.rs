@@ -13,6 +13,8 @@ use deltafin_core::{argmax, Cpu};
 use deltafin_cuda::CudaBackend;
 use deltafin_sched::{EngineBuilder, LoadedModel, LogitRows};
 
+use super::engine_runs::spread;
+
 /// Decoded tokens timed after each prompt.
 const DECODE: usize = 16;
 
@@ -44,12 +46,6 @@ fn once(m: &LoadedModel, prompt: &[u32], t: &mut Timings, gpu: Option<&CudaBacke
     t.decode_tok_s.push((DECODE - 1) as f64 / start.elapsed().as_secs_f64());
     t.ids.push(ids);
     Ok(())
-}
-
-fn spread(v: &[f64]) -> (f64, f64, f64) {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    (s[0], s[s.len() / 2], s[s.len() - 1])
 }
 
 /// The table, as Markdown.
@@ -88,17 +84,12 @@ pub fn run(model: &Path, prompt_len: usize, reps: usize) -> Result<String> {
             spread(&t.gpu_s).1
         )?;
     }
-    let s = backend.stats();
     writeln!(
         md,
-        "\nPrefill: the GPU {:.1}x the CPU (median over median); decode {:.2}x. Ids equal on every pass: {equal}. GPU: {:.0} MB of \
-         weights uploaded, {:.0} MB kept, {} products, {} computed by the CPU instead.",
+        "\nPrefill: the GPU {:.1}x the CPU (median over median); decode {:.2}x. Ids equal on every pass: {equal}. {}.",
         spread(&c.prefill_s).1 / spread(&g.prefill_s).1,
         spread(&g.decode_tok_s).1 / spread(&c.decode_tok_s).1,
-        s.uploaded_bytes as f64 / 1e6,
-        s.resident_bytes as f64 / 1e6,
-        s.gpu_products,
-        s.cpu_fallbacks
+        backend.stats().summary()
     )?;
     anyhow::ensure!(equal, "the GPU's ids differ from the CPU's:\n{md}");
     Ok(md)

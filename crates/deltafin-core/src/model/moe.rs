@@ -130,6 +130,12 @@ pub struct ExpertLayout {
 }
 
 impl ExpertLayout {
+    /// The six records back to back in their order (w1 codes, w1 scales, w2 ..., w3 ...), as
+    /// the release's shards hold them.
+    pub fn packed(shape: ExpertShape) -> ExpertLayout {
+        let (pb, sb) = (shape.packed_bytes(), shape.scale_bytes());
+        ExpertLayout { offsets: [0, pb, pb + sb, 2 * pb + sb, 2 * pb + 2 * sb, 3 * pb + 2 * sb], shape }
+    }
     /// Span length covered by the six records.
     pub fn span_len(&self) -> usize {
         self.shape.total_bytes()

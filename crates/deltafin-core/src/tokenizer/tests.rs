@@ -270,15 +270,21 @@ fn encoding_within_a_limit_stops_past_it() {
 /// unset, the ids are `encode_ordinary`'s.
 #[test]
 fn a_stop_flag_ends_tokenizing_and_an_unset_one_changes_nothing() {
-    use std::sync::atomic::AtomicBool;
     let tok = Tokenizer::from_tiktoken(RANKS, Some(TOKCFG), K3_PATTERN).unwrap();
     let text = "numbers and boats ".repeat(2000);
-    let (go, stop) = (AtomicBool::new(false), AtomicBool::new(true));
-    assert_eq!(tok.encode_ordinary_until(&text, usize::MAX, Some(&go)).unwrap(), Some(tok.encode_ordinary(&text)));
-    assert!(matches!(tok.encode_ordinary_until(&text, usize::MAX, Some(&stop)), Err(Error::Stopped)));
+    let go: &dyn Fn() -> bool = &|| false;
+    // Stops partway: after a few pieces.
+    let asked = std::cell::Cell::new(0);
+    let stop: &dyn Fn() -> bool = &|| {
+        asked.set(asked.get() + 1);
+        asked.get() > 10
+    };
+    assert_eq!(tok.encode_ordinary_until(&text, usize::MAX, go).unwrap(), Some(tok.encode_ordinary(&text)));
+    assert!(matches!(tok.encode_ordinary_until(&text, usize::MAX, stop), Err(Error::Stopped)));
+    let stop: &dyn Fn() -> bool = &|| true;
     let chat = crate::ChatFormat::new(&tok).unwrap();
     let msgs = [crate::Message::new(crate::Role::User, text.clone())];
     let want = chat.render(&msgs, None).unwrap();
-    assert_eq!(crate::ChatFormat::new(&tok).unwrap().stop_when(&go).render(&msgs, None).unwrap(), want);
-    assert!(matches!(crate::ChatFormat::new(&tok).unwrap().stop_when(&stop).render(&msgs, None), Err(Error::Stopped)));
+    assert_eq!(crate::ChatFormat::new(&tok).unwrap().stop_when(go).render(&msgs, None).unwrap(), want);
+    assert!(matches!(crate::ChatFormat::new(&tok).unwrap().stop_when(stop).render(&msgs, None), Err(Error::Stopped)));
 }

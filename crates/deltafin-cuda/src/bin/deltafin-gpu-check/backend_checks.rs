@@ -10,33 +10,8 @@ use super::{same, Rng};
 /// One row of the report: what, values compared, values that differ.
 pub type Line = (String, usize, usize);
 
-/// Values SiTU must agree on: the special ones, every sign and magnitude's boundaries, and
-/// random values spread over the exponents.
-fn situ_inputs(n: usize) -> Vec<f32> {
-    let mut v =
-        vec![0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MIN_POSITIVE, f32::MAX, f32::MIN, 1e-45, -1e-45, 0.75, -0.75];
-    for e in -30..=30 {
-        let x = 2f32.powi(e);
-        v.extend([x, -x, f32::from_bits(x.to_bits() + 1), -f32::from_bits(x.to_bits() - 1)]);
-    }
-    // Around tanh's switch and exp's clamps.
-    for c in [0.75f32, 88.72, 89.0, 103.97, 104.0] {
-        for d in -64i32..=64 {
-            let x = f32::from_bits((c.to_bits() as i32 + d) as u32);
-            v.extend([x, -x]);
-        }
-    }
-    let mut rng = Rng(77);
-    while v.len() < n {
-        // Sign, exponent in [2^-20, 2^9], full mantissa.
-        let bits = ((rng.bits() as u32) & 0x807f_ffff) | (((107 + rng.bits() % 30) as u32) << 23);
-        v.push(f32::from_bits(bits));
-    }
-    v
-}
-
 pub fn situ_check(gpu: &Gpu) -> Vec<Line> {
-    let gate = situ_inputs(2_000_000);
+    let gate = deltafin_cuda::situ_inputs(2_000_000);
     let up: Vec<f32> = gate.iter().rev().copied().collect();
     let mut lines = Vec::new();
     for (beta, lin) in [(4.0f32, 25.0f32), (2.5, 4.0), (1.0, 1.0)] {
@@ -62,21 +37,15 @@ pub fn situ_check(gpu: &Gpu) -> Vec<Line> {
 
 /// A random expert at K3's shape as stored (six records, contiguous), scales around 2^-4.
 fn expert_bytes(shape: ExpertShape, seed: u64) -> (ExpertLayout, Vec<u8>) {
-    let (pb, sb) = (shape.packed_bytes(), shape.scale_bytes());
-    let mut offsets = [0; 6];
-    let mut at = 0;
-    for (i, o) in offsets.iter_mut().enumerate() {
-        *o = at;
-        at += if i % 2 == 0 { pb } else { sb };
-    }
+    let layout = ExpertLayout::packed(shape);
     let mut rng = Rng(seed | 1);
-    let mut bytes: Vec<u8> = (0..at).map(|_| rng.bits() as u8).collect();
+    let mut bytes: Vec<u8> = (0..layout.span_len()).map(|_| rng.bits() as u8).collect();
     for i in [1, 3, 5] {
-        for b in &mut bytes[offsets[i]..offsets[i] + sb] {
+        for b in &mut bytes[layout.offsets[i]..layout.offsets[i] + shape.scale_bytes()] {
             *b = 120 + *b % 6;
         }
     }
-    (ExpertLayout { offsets, shape }, bytes)
+    (layout, bytes)
 }
 
 pub fn expert_check(backend: &CudaBackend) -> Vec<Line> {
