@@ -59,7 +59,23 @@ enum Cmd {
     Selftest(selftest::SelftestArgs),
 }
 
+/// Makes glibc hand large freed blocks back to the system at once. Its default raises the
+/// threshold for `mmap` to the largest block freed so far (up to 32 MB), after which a step's
+/// logits and activations are carved from arenas that keep their pages: 16 concurrent scoring
+/// requests then held 118 MB of RSS under an 80 MB `--ram-budget` (92 MB with the threshold fixed,
+/// measured with the trained model). Two arenas instead of one per core: the engine's threads
+/// allocate little besides those blocks.
+fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; called before any other thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
 fn main() {
+    return_freed_memory();
     let cli = Cli::parse();
     say::set(if cli.quiet {
         say::Level::Quiet

@@ -273,13 +273,14 @@ pub fn run(a: RunArgs) -> Result<()> {
     if a.stats || crate::say::verbose() {
         if let Some(p) = model.memory_plan() {
             eprintln!(
-                "RAM budget {:.1} MB: spine {:.1} MB{}, sequence state {:.1} MB, working {:.1} MB,{} experts {:.1} MB",
+                "RAM budget {:.1} MB: spine {:.1} MB{}, sequence state {:.1} MB, working {:.1} MB,{} tokenizer {:.1} MB, experts {:.1} MB",
                 p.budget as f64 / 1e6,
                 p.spine as f64 / 1e6,
                 if p.streamed_layers > 0 { format!(" ({} layers read each pass)", p.streamed_layers) } else { String::new() },
                 p.sequence_state as f64 / 1e6,
                 p.working as f64 / 1e6,
                 if p.draft > 0 { format!(" draft model {:.1} MB,", p.draft as f64 / 1e6) } else { String::new() },
+                p.tokenizer as f64 / 1e6,
                 p.experts as f64 / 1e6
             );
         }

@@ -6,6 +6,7 @@
 //! enter a prompt only through [`crate::ChatFormat`], which inserts them by id.
 
 mod split;
+mod vocab;
 
 use std::collections::HashMap;
 
@@ -13,6 +14,7 @@ use base64::Engine as _;
 
 use crate::error::{Error, Result};
 use split::Splitter;
+use vocab::Vocab;
 
 /// K3's pre-tokenizer split pattern (the o200k family, with Han runs split out).
 pub const K3_PATTERN: &str = r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -46,11 +48,8 @@ pub const RESERVED: usize = 256;
 
 /// A tiktoken-format byte-level BPE tokenizer with named special tokens.
 pub struct Tokenizer {
-    /// Looked up once or twice per merge: a fast hash (the keys are the fixed vocabulary, so
-    /// text cannot lengthen a probe chain).
-    ranks: rustc_hash::FxHashMap<Vec<u8>, u32>,
-    /// Bytes of every BPE id.
-    bytes_of: Vec<Vec<u8>>,
+    /// Every BPE id's bytes and the id of each token's bytes (looked up once or twice per merge).
+    ranks: Vocab,
     specials: HashMap<String, u32>,
     special_names: HashMap<u32, String>,
     split: Splitter,
@@ -63,8 +62,7 @@ impl Tokenizer {
     /// `tokenizer_config.json` (whose `added_tokens_decoder` names the reserved ids; K3's
     /// defaults are used without it) and a split pattern.
     pub fn from_tiktoken(ranks_text: &str, tokenizer_config: Option<&str>, pattern: &str) -> Result<Tokenizer> {
-        let mut ranks = rustc_hash::FxHashMap::default();
-        let mut bytes_of: Vec<Vec<u8>> = Vec::new();
+        let mut ranks = Vocab::new();
         for (lineno, line) in ranks_text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
@@ -73,23 +71,23 @@ impl Tokenizer {
             let (b64, rank) = line.split_once(' ').ok_or_else(|| bad("expected `base64 rank`"))?;
             let bytes = base64::engine::general_purpose::STANDARD.decode(b64).map_err(|_| bad("bad base64"))?;
             let rank: u32 = rank.trim().parse().map_err(|_| bad("bad rank"))?;
-            if rank as usize != bytes_of.len() {
-                return Err(bad(&format!("ranks must be consecutive from 0 (expected {})", bytes_of.len())));
+            if rank as usize != ranks.len() {
+                return Err(bad(&format!("ranks must be consecutive from 0 (expected {})", ranks.len())));
             }
-            if ranks.insert(bytes.clone(), rank).is_some() {
+            if !ranks.push(&bytes) {
                 return Err(bad("duplicate token bytes"));
             }
-            bytes_of.push(bytes);
         }
-        if bytes_of.is_empty() {
+        ranks.shrink();
+        if ranks.len() == 0 {
             return Err(Error::Tokenizer("rank file is empty".into()));
         }
         for b in 0..=255u8 {
-            if !ranks.contains_key(&vec![b]) {
+            if ranks.get(&[b]).is_none() {
                 return Err(Error::Tokenizer(format!("rank file lacks the single byte 0x{b:02x}; byte-level BPE needs all 256")));
             }
         }
-        let n = bytes_of.len();
+        let n = ranks.len();
         let mut specials: HashMap<String, u32> = HashMap::new();
         if let Some(text) = tokenizer_config {
             let v: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::Tokenizer(format!("tokenizer_config.json: {e}")))?;
@@ -112,13 +110,13 @@ impl Tokenizer {
         }
         let special_names = specials.iter().map(|(k, v)| (*v, k.clone())).collect();
         let split = Splitter::new(pattern)?;
-        let max_token_len = bytes_of.iter().map(Vec::len).max().unwrap_or(1);
-        Ok(Tokenizer { ranks, bytes_of, specials, special_names, split, max_token_len })
+        let max_token_len = ranks.max_len();
+        Ok(Tokenizer { ranks, specials, special_names, split, max_token_len })
     }
 
     /// Number of BPE ranks.
     pub fn bpe_len(&self) -> usize {
-        self.bytes_of.len()
+        self.ranks.len()
     }
 
     /// The longest token's bytes: a text of n bytes has at least n / this many tokens.
@@ -126,9 +124,16 @@ impl Tokenizer {
         self.max_token_len.max(1)
     }
 
+    /// Heap bytes the tokenizer holds (its vocabulary and specials; the split pattern's automaton
+    /// is not counted): what a RAM budget charges for it.
+    pub fn heap_bytes(&self) -> usize {
+        let specials: usize = self.specials.keys().map(|k| 2 * (k.len() + 48)).sum();
+        self.ranks.heap_bytes() + specials
+    }
+
     /// BPE ranks plus specials.
     pub fn vocab_len(&self) -> usize {
-        self.bytes_of.len().max(self.special_names.keys().map(|&k| k as usize + 1).max().unwrap_or(0))
+        self.ranks.len().max(self.special_names.keys().map(|&k| k as usize + 1).max().unwrap_or(0))
     }
 
     /// The id of a special token by its spelling (`<|open|>`).
@@ -206,18 +211,18 @@ impl Tokenizer {
     }
 
     fn encode_piece(&self, piece: &[u8], out: &mut Vec<u32>) {
-        if let Some(&r) = self.ranks.get(piece) {
+        if let Some(r) = self.ranks.get(piece) {
             out.push(r);
             return;
         }
-        let parts = bpe_merge(piece, self.max_token_len, |span| self.ranks.get(span).copied());
-        out.extend(parts.windows(2).map(|w| self.ranks[&piece[w[0]..w[1]]]));
+        let parts = bpe_merge(piece, self.max_token_len, |span| self.ranks.get(span));
+        out.extend(parts.windows(2).map(|w| self.ranks.get(&piece[w[0]..w[1]]).expect("a merged part is a token")));
     }
 
     /// The bytes of one id (a special's spelling for reserved ids; empty if unknown).
     pub fn id_bytes(&self, id: u32) -> Vec<u8> {
-        match self.bytes_of.get(id as usize) {
-            Some(b) => b.clone(),
+        match self.ranks.bytes(id) {
+            Some(b) => b.to_vec(),
             None => self.special_names.get(&id).map(|s| s.as_bytes().to_vec()).unwrap_or_default(),
         }
     }

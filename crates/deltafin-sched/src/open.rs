@@ -67,6 +67,8 @@ pub struct MemoryPlan {
     pub draft: u64,
     /// Sequences kept between generations for reuse ([`EngineBuilder::kept_states`]).
     pub kept: u64,
+    /// The tokenizer's vocabulary.
+    pub tokenizer: u64,
     pub experts: u64,
     /// Spine layers read from the store each pass (the budget cannot hold them); `spine` is
     /// then what stays resident plus two such layers' buffers.
@@ -270,6 +272,7 @@ impl EngineBuilder {
         let tokenizer = Arc::new(Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?);
         let drafting = self.draft.as_ref().map(|w| Drafting::open(w, &self.path, &tokenizer, self.compute())).transpose()?;
         let draft = drafting.as_ref().map_or(0, |d| d.memory_bytes(self.context));
+        let tokenizer_bytes = tokenizer.heap_bytes() as u64;
         let spine = store.spine_bytes();
         let slots = self.max_sequences as u64;
         let state = slots * Sequence::max_bytes(&cfg, self.context) as u64;
@@ -292,6 +295,7 @@ impl EngineBuilder {
                     working: EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context),
                     draft,
                     kept,
+                    tokenizer: tokenizer_bytes,
                     experts: all_experts,
                     streamed_layers: 0,
                 }
@@ -301,7 +305,7 @@ impl EngineBuilder {
                 // A step runs one prompt chunk beside the other sequences' decode rows.
                 let working = EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context);
                 let one_expert = StreamingExperts::min_budget(cfg.expert_shape());
-                let others = state + working + draft + kept;
+                let others = state + working + draft + kept + tokenizer_bytes;
                 let layer_bytes: Vec<u64> = (0..cfg.num_layers).map(|l| store.layer_spine_bytes(l)).collect();
                 let fit = crate::spine::SpineFit::new(
                     spine,
@@ -317,7 +321,7 @@ impl EngineBuilder {
                         budget,
                         minimum: min,
                         why: format!(
-                            "output head, norms, the embedding's row checksums and two streamed spine layers {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + kept states {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + one expert {:.1} MB",
+                            "output head, norms, the embedding's row checksums and two streamed spine layers {:.1} MB + state of {} sequence(s) of {} tokens {:.1} MB + kept states {:.1} MB + working memory {:.1} MB + draft model {:.1} MB + tokenizer {:.1} MB + one expert {:.1} MB",
                             fit.minimum as f64 / 1e6,
                             self.max_sequences,
                             self.context,
@@ -325,6 +329,7 @@ impl EngineBuilder {
                             kept as f64 / 1e6,
                             working as f64 / 1e6,
                             draft as f64 / 1e6,
+                            tokenizer_bytes as f64 / 1e6,
                             expert_len as f64 / 1e6
                         ),
                     }
@@ -340,6 +345,7 @@ impl EngineBuilder {
                     working,
                     draft,
                     kept,
+                    tokenizer: tokenizer_bytes,
                     experts: budget - spine_resident - others,
                     streamed_layers: streamed.iter().filter(|s| **s).count(),
                 }

@@ -114,6 +114,8 @@ pub struct ModelSizes {
     pub embed_bytes: u64,
     /// Each layer's spine tensors (what a streamed layer reads per pass).
     pub layer_bytes: Vec<u64>,
+    /// The tokenizer's vocabulary in memory ([`deltafin_core::Tokenizer::heap_bytes`]).
+    pub tokenizer_bytes: u64,
 }
 
 /// A plan, ready to print.
@@ -128,6 +130,7 @@ pub struct Plan {
     pub streamed_layers: usize,
     pub state_bytes: u64,
     pub working_bytes: u64,
+    pub tokenizer_bytes: u64,
     pub cached_experts: u64,
     pub total_experts: u64,
     pub expert_bytes_per_token: f64,
@@ -159,7 +162,7 @@ impl Plan {
         let working_bytes = EngineBuilder::working_bytes(cfg, chunk, input.context);
         // As the engine plans at open (`SpineFit`): the whole spine if it fits, else the layers
         // that fit kept and the rest read each pass; one expert's buffer at the least.
-        let others = state_bytes + working_bytes + charge;
+        let others = state_bytes + working_bytes + m.tokenizer_bytes + charge;
         let fit = crate::spine::SpineFit::new(
             m.spine_bytes,
             &m.layer_bytes,
@@ -195,6 +198,7 @@ impl Plan {
             streamed_layers,
             state_bytes,
             working_bytes,
+            tokenizer_bytes: m.tokenizer_bytes,
             cached_experts,
             total_experts,
             expert_bytes_per_token,
@@ -235,6 +239,7 @@ impl Plan {
         let _ = writeln!(s, "  spine            {:>10}  ({how})", size(self.spine_bytes as f64));
         let _ = writeln!(s, "  sequence state   {:>10}", size(self.state_bytes as f64));
         let _ = writeln!(s, "  working memory   {:>10}", size(self.working_bytes as f64));
+        let _ = writeln!(s, "  tokenizer        {:>10}", size(self.tokenizer_bytes as f64));
         let _ = writeln!(
             s,
             "  expert cache     {:>10}  ({} of {} experts, {:.1}%, of {} in all)",
@@ -246,7 +251,7 @@ impl Plan {
         );
         let _ = writeln!(
             s,
-            "  minimum RAM      {:>10}  (output head, norms + two spine layers + state + working memory + one expert; the embedding read by row)",
+            "  minimum RAM      {:>10}  (output head, norms + two spine layers + state + working memory + tokenizer + one expert; the embedding read by row)",
             size(self.minimum_ram as f64)
         );
         if !self.fits {
@@ -355,7 +360,8 @@ pub fn model_sizes(path: &std::path::Path) -> crate::Result<ModelSizes> {
         let m = s.manifest();
         let embed_bytes = m.spine.get(&embed).map_or(0, |t| t.len);
         let layer_bytes = (0..s.config().num_layers).map(|l| s.layer_spine_bytes(l)).collect();
-        return Ok(ModelSizes { config: s.config().clone(), spine_bytes: m.spine_bytes, embed_bytes, layer_bytes });
+        let tokenizer_bytes = tokenizer_bytes(s.tokenizer_texts()?)?;
+        return Ok(ModelSizes { config: s.config().clone(), spine_bytes: m.spine_bytes, embed_bytes, layer_bytes, tokenizer_bytes });
     }
     let c = deltafin_store::Checkpoint::open(&path)?;
     let lm = |n: &str| n.starts_with(deltafin_core::LM_PREFIX) && !n.contains(".experts.");
@@ -371,5 +377,12 @@ pub fn model_sizes(path: &std::path::Path) -> crate::Result<ModelSizes> {
             layer_bytes[l] += t.len;
         }
     }
-    Ok(ModelSizes { config: c.config().clone(), spine_bytes, embed_bytes, layer_bytes })
+    let tokenizer_bytes = tokenizer_bytes(c.tokenizer_texts()?)?;
+    Ok(ModelSizes { config: c.config().clone(), spine_bytes, embed_bytes, layer_bytes, tokenizer_bytes })
+}
+
+/// What the tokenizer built from these texts holds, as `open` charges it.
+fn tokenizer_bytes((ranks, config): (String, Option<String>)) -> crate::Result<u64> {
+    let t = deltafin_core::Tokenizer::from_tiktoken(&ranks, config.as_deref(), deltafin_core::K3_PATTERN)?;
+    Ok(t.heap_bytes() as u64)
 }
