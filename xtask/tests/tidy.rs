@@ -157,7 +157,18 @@ fn crate_boundaries_hold() {
         bad.push("crates/deltafin must #![deny(missing_docs)]".into());
     }
     // Library crates use their own error enums; anyhow only in binaries and xtask.
-    for krate in ["deltafin", "deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-server"] {
+    // Constrained decoding: llguidance in deltafin-grammar alone, which does no I/O of its own.
+    for e in std::fs::read_dir(root().join("crates")).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        let manifest = std::fs::read_to_string(root().join(format!("crates/{name}/Cargo.toml"))).unwrap();
+        if name != "deltafin-grammar" && manifest.contains("llguidance") {
+            bad.push(format!("{name} depends on llguidance: grammars belong to deltafin-grammar"));
+        }
+        if name == "deltafin-grammar" && ["deltafin-store", "deltafin-fetch", "deltafin-server"].iter().any(|d| manifest.contains(d)) {
+            bad.push("deltafin-grammar depends on a crate that does I/O".into());
+        }
+    }
+    for krate in ["deltafin", "deltafin-core", "deltafin-store", "deltafin-sched", "deltafin-spec", "deltafin-server", "deltafin-grammar"] {
         let manifest = std::fs::read_to_string(root().join(format!("crates/{krate}/Cargo.toml"))).unwrap();
         let deps = manifest.split("[dependencies]").nth(1).unwrap_or("").split("\n[").next().unwrap_or("");
         if deps.lines().any(|l| l.starts_with("anyhow")) {

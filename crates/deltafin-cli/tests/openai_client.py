@@ -1,4 +1,5 @@
 """The official openai client against `deltafin serve` (run by tests/server.rs)."""
+import json
 import sys
 
 import openai
@@ -39,4 +40,13 @@ for bad in [dict(n=2), dict(frequency_penalty=0.5), dict(logit_bias={"1": 1})]:
         raise SystemExit(f"{bad} was accepted")
     except openai.BadRequestError as e:
         assert list(bad)[0] in str(e), e
+# Structured output: the reply is JSON the schema accepts, whatever the (random) weights prefer.
+schema = {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+          "days": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 7}, "maxItems": 3}},
+          "required": ["unit", "days"], "additionalProperties": False}
+r = client.chat.completions.create(model="k3", messages=[{"role": "user", "content": "weather?"}], max_tokens=100,
+                                   response_format={"type": "json_schema", "json_schema": {"name": "weather", "strict": True, "schema": schema}})
+v = json.loads(r.choices[0].message.content)
+assert set(v) == {"unit", "days"} and v["unit"] in ("celsius", "fahrenheit"), v
+assert len(v["days"]) <= 3 and all(isinstance(d, int) and 1 <= d <= 7 for d in v["days"]), v
 print("openai client: ok")

@@ -57,11 +57,14 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
-/// How the assistant turn is opened when tools are declared.
+/// How the assistant turn is opened.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ToolTurn {
     /// The model reasons and chooses (`tool_choice` auto).
     Free,
+    /// Structured output: an empty `think`, then the `response` element opened, so the reply
+    /// is the constrained value itself (no tool call can be made).
+    Response,
     /// The model must call a tool: the turn is opened with an empty `think` and an open
     /// `tool_call` element, so the model writes which one and its arguments.
     Required,
@@ -202,6 +205,10 @@ impl<'a> ChatFormat<'a> {
         self.open(&mut out, "message role=\"assistant\"");
         match turn {
             ToolTurn::Free => self.open(&mut out, "think"),
+            ToolTurn::Response => {
+                self.element(&mut out, "think", "")?;
+                self.open(&mut out, "response");
+            }
             ToolTurn::Required | ToolTurn::Named(_) => {
                 self.element(&mut out, "think", "")?;
                 out.push(self.open);

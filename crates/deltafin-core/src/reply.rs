@@ -75,6 +75,12 @@ impl ReplySplitter {
         self
     }
 
+    /// The prompt opened the `response` element (structured output): text is content at once.
+    pub fn in_response(mut self) -> ReplySplitter {
+        self.section = Part::Content;
+        self
+    }
+
     /// Tool calls started and argument text generated since the last call.
     pub fn take_tool_events(&mut self) -> Vec<ToolEvent> {
         std::mem::take(&mut self.tool_events)

@@ -227,6 +227,11 @@ impl Tokenizer {
         }
     }
 
+    /// The BPE id whose bytes are `bytes`, if one is.
+    pub fn bpe_id(&self, bytes: &[u8]) -> Option<u32> {
+        self.ranks.get(bytes)
+    }
+
     /// Whether `id` is a special (reserved) token.
     pub fn is_special(&self, id: u32) -> bool {
         self.special_names.contains_key(&id)

@@ -427,6 +427,7 @@ impl<'m> Batcher<'m> {
         self.stats.distinct_experts += output.report.distinct_expert_bytes / self.model.engine().experts().expert_bytes().max(1);
         let mut logits = output.logits.iter();
         let mut done = Vec::new();
+        let mut failed = Vec::new();
         for (i, p) in plan.iter().enumerate() {
             let Some((ids, phase, _)) = p else { continue };
             let logits = logits.next().expect("one logits matrix per slot");
@@ -452,7 +453,13 @@ impl<'m> Batcher<'m> {
             }
             // A new token, chosen exactly as plain generation chooses it (at its position in the
             // sequence, so a seeded draw is the one the job gets alone).
-            let t = a.job.opts.choose(last, a.seq.ids().len());
+            let t = match a.job.opts.next_token(last, a.seq.ids().len()) {
+                Ok(t) => t,
+                Err(e) => {
+                    failed.push((i, e));
+                    continue;
+                }
+            };
             a.generated += 1;
             a.first_token.get_or_insert_with(Instant::now);
             self.stats.generated_tokens += 1;
@@ -471,12 +478,24 @@ impl<'m> Batcher<'m> {
             out.event(BatchEvent::PromptLogits { job: a.id, first: 0, logits });
             self.stats.prompt_tokens += a.job.prompt.len() as u64;
         }
-        let mut ended: Vec<(Active, FinishReason)> = done.iter().rev().map(|&(i, r)| (self.active.remove(i), r)).collect();
+        // Finished and failed jobs leave, in order (indices from the end, so each stays valid).
+        let mut ends: Vec<(usize, std::result::Result<FinishReason, Error>)> =
+            done.into_iter().map(|(i, r)| (i, Ok(r))).chain(failed.into_iter().map(|(i, e)| (i, Err(e)))).collect();
+        ends.sort_by_key(|e| e.0);
+        let mut ended: Vec<_> = ends.into_iter().rev().map(|(i, r)| (self.active.remove(i), r)).collect();
         ended.reverse();
-        for (a, reason) in ended {
-            self.stats.jobs_finished += 1;
-            out.event(BatchEvent::Finished { job: a.id, reason, stats: Box::new(a.stats()) });
-            self.keep(a.seq);
+        for (a, end) in ended {
+            match end {
+                Ok(reason) => {
+                    self.stats.jobs_finished += 1;
+                    out.event(BatchEvent::Finished { job: a.id, reason, stats: Box::new(a.stats()) });
+                    self.keep(a.seq);
+                }
+                Err(error) => {
+                    self.stats.jobs_failed += 1;
+                    out.event(BatchEvent::Failed { job: a.id, error: &error });
+                }
+            }
         }
         for mut a in scoring {
             a.fed = a.job.prompt.len();

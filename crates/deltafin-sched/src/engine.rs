@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use deltafin_core::{argmax, Mat, Model};
 use deltafin_store::ExpertSource;
 
+use crate::constraint::Constraint;
 use crate::error::{Error, Result};
 use crate::sample::Sampling;
 use crate::sequence::Sequence;
@@ -287,6 +288,10 @@ impl Engine {
         mut on_step: impl FnMut(Step<'_>) -> bool,
         after_prompt: impl FnOnce(&Sequence),
     ) -> Result<Stats> {
+        // Drafts are guessed without the output grammar: a constrained generation runs plain.
+        if opts.constraint.is_some() {
+            drafter = None;
+        }
         let start = Instant::now();
         let before = self.experts.stats();
         let spine_before = self.spine.as_ref().map_or(0, |s| s.bytes_read());
@@ -309,7 +314,7 @@ impl Engine {
         // rebuilt from the sequence at every step).
         let mut context = if drafter.is_some() { seq.ids.clone() } else { Vec::new() };
         // Each token is chosen at its position in the sequence: sampling draws depend on it alone.
-        let mut next = opts.choose(&last, seq.ids.len());
+        let mut next = opts.next_token(&last, seq.ids.len())?;
         // Draft lengths come from the live cost gate unless fixed by the options.
         let mut gate = (drafter.is_some() && opts.draft_gate).then(|| CostGate::new(opts.draft_max));
         let trace_gate = gate.is_some() && std::env::var_os("DELTAFIN_GATE_TRACE").is_some();
@@ -401,7 +406,7 @@ impl Engine {
             }
             read_wait += r.read_wait;
             last = l.row(0).to_vec();
-            next = opts.choose(&last, seq.ids.len());
+            next = opts.next_token(&last, seq.ids.len())?;
             self.note_provisional(&r, next, &mut stats);
             if let Some(g) = gate.as_mut() {
                 g.note_plain(step_start.elapsed().as_secs_f64());
@@ -464,6 +469,8 @@ pub struct GenerateOptions {
     pub draft_gate: bool,
     /// How each token is chosen: `None` (or temperature 0) is greedy.
     pub sampling: Option<Sampling>,
+    /// An output grammar the tokens must follow (structured output); no drafts with one.
+    pub constraint: Option<Constraint>,
 }
 
 /// A shared flag that stops a generation, and a count of the layers it has walked (checked and
@@ -532,7 +539,21 @@ impl GenerateOptions {
         self.sampling = s;
         self
     }
-    /// The token at `position` from `logits`, as these options choose it.
+    /// Makes every token follow `c`'s grammar.
+    pub fn constraint(mut self, c: Option<Constraint>) -> GenerateOptions {
+        self.constraint = c;
+        self
+    }
+    /// The token generated at `position` from `logits`: [`GenerateOptions::choose`] among the
+    /// ids the output grammar allows, committed to the grammar.
+    pub fn next_token(&self, logits: &[f32], position: usize) -> Result<u32> {
+        match &self.constraint {
+            Some(c) => c.next(logits, |l| self.choose(l, position)),
+            None => Ok(self.choose(logits, position)),
+        }
+    }
+    /// The token at `position` from `logits`, as these options choose it (no grammar: what
+    /// verification compares drafts with).
     pub fn choose(&self, logits: &[f32], position: usize) -> u32 {
         match &self.sampling {
             Some(s) => s.choose(logits, position),
@@ -543,7 +564,15 @@ impl GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_new: 64, stop_ids: Vec::new(), cancel: None, draft_max: 4, draft_gate: true, sampling: None }
+        GenerateOptions {
+            max_new: 64,
+            stop_ids: Vec::new(),
+            cancel: None,
+            draft_max: 4,
+            draft_gate: true,
+            sampling: None,
+            constraint: None,
+        }
     }
 }
 

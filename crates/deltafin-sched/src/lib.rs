@@ -23,6 +23,7 @@
 //! the core's kernels are batch-invariant and expert outputs are combined in a fixed order.
 
 mod batch;
+mod constraint;
 mod draft;
 mod engine;
 mod error;
@@ -41,6 +42,7 @@ pub use deltafin_store::{peak_rss_bytes, CacheMode, CachePolicy};
 
 pub use crate::{
     batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, FinishReason, JobId},
+    constraint::{Constraint, TokenConstraint},
     draft::{DraftWith, AUTO_DRAFT_DIR},
     engine::{Cancel, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows, Step},
     error::{Error, Result},

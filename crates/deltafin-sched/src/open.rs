@@ -416,6 +416,10 @@ impl LoadedModel {
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
+    /// The tokenizer, shared (for what outlives a borrow of the model: a compiled grammar).
+    pub fn shared_tokenizer(&self) -> Arc<Tokenizer> {
+        self.tokenizer.clone()
+    }
     /// The chat renderer.
     pub fn chat(&self) -> Result<ChatFormat<'_>> {
         Ok(ChatFormat::new(&self.tokenizer)?)

@@ -84,6 +84,9 @@ impl Sampling {
             order.truncate(self.top_k);
         }
         order.sort_unstable_by(by_rank);
+        // Ids an output grammar forbids are at minus infinity (sorted last): never candidates.
+        let allowed = order.iter().take_while(|&&i| logits[i as usize] > f32::NEG_INFINITY).count().max(1);
+        order.truncate(allowed);
         let top = logits[order[0] as usize] / t;
         // exp((l - max) / T) with core's exp: the same bits everywhere.
         let mut weights: Vec<f64> = order.iter().map(|&i| exp(logits[i as usize] / t - top) as f64).collect();

@@ -260,7 +260,7 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
     let model = Arc::new(model);
     let state = AppState::new(server);
     let queue = crate::worker::start(model.clone(), state.cfg.max_queue, max_batch, state.metrics.clone());
-    let _ = state.ready.set(Ready { model, queue });
+    let _ = state.ready.set(Ready { model, queue, grammars: Arc::default() });
     let metrics = state.metrics.clone();
     let app = router(state);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(io)?;

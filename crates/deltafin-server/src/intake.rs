@@ -38,6 +38,24 @@ pub(crate) fn loggable(text: &str) -> String {
     crate::request::escaped_capped(text, 300)
 }
 
+/// The grammar a `response_format` asks for, compiled (the model's vocabulary is compiled once,
+/// on the first such request); a schema llguidance cannot handle is a 400 naming its part.
+pub(crate) fn constraint(
+    model: &LoadedModel,
+    grammars: &std::sync::OnceLock<Result<deltafin::Grammars, String>>,
+    format: Option<&crate::response_format::ResponseFormat>,
+) -> Result<Option<deltafin::Constraint>, ApiError> {
+    let Some(format) = format else { return Ok(None) };
+    let g = grammars
+        .get_or_init(|| deltafin::Grammars::new(model.shared_tokenizer()).map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| api_error(400, "invalid_request_error", format!("structured output needs K3's chat tokens: {e}")))?;
+    match g.json(format.schema()) {
+        Ok(c) => Ok(Some(c)),
+        Err(e) => Err(ApiError::bad("response_format", format!("the schema cannot be used for structured output: {e}"))),
+    }
+}
+
 /// A request's prompt ids, stop ids and tool-turn state, with `max_tokens` settled against the
 /// context; a prompt that cannot fit is refused before more than a context's worth of text is
 /// tokenized.
@@ -76,14 +94,18 @@ pub(crate) fn build_prompt(
                 return Err(too_long());
             }
             let fmt = model.chat().map_err(|e| api_error(500, "server_error", e.to_string()))?.stop_when(&gone);
-            let turn_kind = tools.as_ref().map_or(deltafin::ToolTurn::Free, |t| t.choice.clone());
+            let turn_kind = match (&req.response_format, tools) {
+                (Some(_), _) => deltafin::ToolTurn::Response,
+                (None, Some(t)) => t.choice.clone(),
+                (None, None) => deltafin::ToolTurn::Free,
+            };
             let declared = tools.as_ref().map(|t| t.declared.as_str());
             let ids = fmt.render_with_tools(messages, reasoning_effort.as_deref(), declared, &turn_kind).map_err(stopped)?;
             if tools.is_some() {
                 // A required or named call: the prompt ends inside the opened `tool_call`
                 // tag, whose text so far the reply parser must know.
                 let open = tok.special("<|open|>");
-                let prefill = (turn_kind != deltafin::ToolTurn::Free)
+                let prefill = matches!(turn_kind, deltafin::ToolTurn::Required | deltafin::ToolTurn::Named(_))
                     .then(|| ids.iter().rposition(|&i| Some(i) == open).map(|at| ids[at + 1..].to_vec()).unwrap_or_default());
                 tool_turn = Some(prefill);
             }

@@ -14,6 +14,7 @@ mod listen;
 mod metrics;
 mod output;
 mod request;
+mod response_format;
 mod turn;
 mod worker;
 
@@ -103,6 +104,8 @@ pub struct ServerConfig {
 struct Ready {
     model: Arc<LoadedModel>,
     queue: Queue,
+    /// The vocabulary compiled for structured output, on the first request that asks for it.
+    grammars: Arc<OnceLock<Result<deltafin::Grammars, String>>>,
 }
 
 struct AppState {
@@ -150,7 +153,7 @@ pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel,
         Ok(model) => {
             let model = Arc::new(model);
             let queue = worker::start(model.clone(), s.cfg.max_queue, s.cfg.max_batch, s.metrics.clone());
-            let _ = s.ready.set(Ready { model, queue });
+            let _ = s.ready.set(Ready { model, queue, grammars: Arc::default() });
             tracing::info!(model = %s.cfg.model_name, "model ready");
         }
         Err(e) => {
@@ -361,6 +364,14 @@ struct Turn {
     tool_turn: Option<Option<Vec<u32>>>,
 }
 
+impl Turn {
+    /// The interpretation of this turn's worker events.
+    fn events(&self, model: &Arc<LoadedModel>) -> TurnEvents {
+        let structured = self.req.response_format.is_some();
+        TurnEvents::new(model.clone(), self.chat, self.req.stop.clone(), self.stop.clone(), self.tool_turn.clone(), structured)
+    }
+}
+
 async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: bool) -> Response {
     if let Err(e) = authorize(&s, &headers) {
         return error(&s, e);
@@ -394,8 +405,13 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
     let cancel = Cancel::new();
     let guard = CancelOnDrop(cancel.clone());
     let c = cancel.clone();
-    let built = tokio::task::spawn_blocking(move || build_prompt(&m, req, chat, &c)).await;
-    let (req, prompt, stop_ids, tool_turn) = match built {
+    let grammars = ready.grammars.clone();
+    let built = tokio::task::spawn_blocking(move || {
+        let constraint = intake::constraint(&m, &grammars, req.response_format.as_ref())?;
+        build_prompt(&m, req, chat, &c).map(|b| (b, constraint))
+    })
+    .await;
+    let ((req, prompt, stop_ids, tool_turn), constraint) = match built {
         Ok(Ok(b)) => b,
         Ok(Err(e)) => return error(&s, e),
         Err(e) => return error(&s, api_error(500, "server_error", format!("tokenizing the prompt failed: {e}"))),
@@ -415,6 +431,7 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
         draft_max: s.cfg.draft_max,
         draft_gate: s.cfg.draft_gate,
         sampling: req.sampling,
+        constraint,
     };
     if ready.queue.submit(job).is_err() {
         return error(
@@ -507,7 +524,7 @@ async fn whole_response(
     _guard: CancelOnDrop,
 ) -> Response {
     let tok = model.tokenizer();
-    let mut events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), turn.stop.clone(), turn.tool_turn.clone());
+    let mut events = turn.events(&model);
     let (mut content, mut reasoning) = (String::new(), String::new());
     let mut lps: Vec<TokenLogprob> = vec![];
     let mut prompt_lps: Vec<TokenLogprob> = vec![];
@@ -748,7 +765,7 @@ fn async_stream(
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     guard: CancelOnDrop,
 ) -> impl futures_util::Stream<Item = Result<SseEvent, Infallible>> {
-    let events = TurnEvents::new(model.clone(), turn.chat, turn.req.stop.clone(), turn.stop.clone(), turn.tool_turn.clone());
+    let events = turn.events(&model);
     let calls = output::ToolCalls::new(&turn.id);
     let fold = turn.chat && fold;
     let state = StreamState { rx, _guard: guard, turn, model, events, queue: Default::default(), calls, fold, think_open: false };

@@ -17,8 +17,12 @@ pub struct Splitter {
 impl Splitter {
     /// `chat`: the prompt opened the assistant's `think` element; `tools`: tools were declared
     /// (`tool_call` elements are parsed), and the text of a `tool_call` tag the prompt opened.
-    pub fn new(model: Arc<LoadedModel>, chat: bool, stops: Vec<String>, tools: Option<Option<Vec<u32>>>) -> Splitter {
+    /// `structured`: the prompt opened the `response` element (a `response_format` reply).
+    pub fn new(model: Arc<LoadedModel>, chat: bool, stops: Vec<String>, tools: Option<Option<Vec<u32>>>, structured: bool) -> Splitter {
         let mut inner = ReplySplitter::new(model.tokenizer(), chat, stops);
+        if structured {
+            inner = inner.in_response();
+        }
         if let Some(prefill) = tools {
             inner = inner.with_tools();
             if let Some(ids) = prefill {

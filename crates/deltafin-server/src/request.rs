@@ -84,6 +84,8 @@ pub struct Request {
     /// How tokens are chosen: `None` is greedy (no `temperature`, or 0). A sampled request
     /// without a `seed` gets one drawn here, which the response returns.
     pub sampling: Option<deltafin::Sampling>,
+    /// Chat: the reply must be JSON (any object, or what a schema accepts).
+    pub response_format: Option<crate::response_format::ResponseFormat>,
 }
 
 const COMMON: &[&str] = &[
@@ -102,14 +104,22 @@ const COMMON: &[&str] = &[
     "seed",
     "logprobs",
 ];
-const CHAT_ONLY: &[&str] =
-    &["messages", "max_completion_tokens", "top_logprobs", "reasoning_effort", "store", "tools", "tool_choice", "parallel_tool_calls"];
+const CHAT_ONLY: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "reasoning_effort",
+    "store",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+];
 const COMPLETION_ONLY: &[&str] = &["prompt", "echo", "suffix", "best_of"];
 /// Fields the engine cannot honor exactly, with the reason given to the client.
 const REFUSED: &[(&str, &str)] = &[
     ("functions", "the legacy `functions` field is not supported: declare them in `tools`"),
     ("function_call", "the legacy `function_call` field is not supported: use `tool_choice`"),
-    ("response_format", "structured output is not supported"),
     ("logit_bias", "logit_bias would change K3's greedy choice; it is not supported"),
     ("presence_penalty", "penalties would change K3's greedy choice; they are not supported"),
     ("frequency_penalty", "penalties would change K3's greedy choice; they are not supported"),
@@ -132,14 +142,13 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
                 || val.as_f64() == Some(0.0)
                 || val.as_object().is_some_and(Map::is_empty)
                 || val.as_array().is_some_and(Vec::is_empty)
-                || (k == "response_format" && val.as_object().is_some_and(|o| o.len() == 1 && o.get("type") == Some(&Value::from("text"))))
                 || (k == "tool_choice" && val.as_str() == Some("none"));
             if !neutral {
                 return Err(ApiError::bad(k, format!("`{k}`: {why}")));
             }
             continue;
         }
-        if !chat && ["tools", "tool_choice", "parallel_tool_calls"].contains(&k.as_str()) {
+        if !chat && ["tools", "tool_choice", "parallel_tool_calls", "response_format"].contains(&k.as_str()) {
             return Err(ApiError::bad(k, format!("`{k}` applies to /v1/chat/completions")));
         }
         let known =
@@ -287,7 +296,25 @@ pub fn parse(body: &[u8], chat: bool, default_max: usize) -> Result<Request, Api
         return Err(ApiError::bad("echo", "`echo` cannot be streamed; leave out `stream`"));
     }
     let prompt = if chat { parse_chat(obj, parse_tools(obj)?)? } else { parse_text(obj)? };
-    Ok(Request { prompt, max_tokens, max_tokens_given, stop, logprobs, top_logprobs, stream, include_usage, echo, sampling })
+    let response_format = crate::response_format::parse(obj.get("response_format"))?;
+    if let (Some(_), Prompt::Chat { tools: Some(t), .. }) = (&response_format, &prompt) {
+        if t.choice != deltafin::ToolTurn::Free {
+            return Err(ApiError::bad("response_format", "`response_format` JSON and a required tool call cannot both shape one reply"));
+        }
+    }
+    Ok(Request {
+        prompt,
+        max_tokens,
+        max_tokens_given,
+        stop,
+        logprobs,
+        top_logprobs,
+        stream,
+        include_usage,
+        echo,
+        sampling,
+        response_format,
+    })
 }
 
 fn parse_text(obj: &Map<String, Value>) -> Result<Prompt, ApiError> {
@@ -527,8 +554,14 @@ mod tests {
         assert!(e.message.contains("one request for each") && !e.message.contains("n > 1"), "{e:?}");
         let e = parse(br#"{"prompt":[1,-2]}"#, false, 16).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("prompt"));
-        let e = chat(r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}"#).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("response_format"));
+        let r = chat(r#"{"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}"#).unwrap();
+        assert_eq!(r.response_format, Some(crate::response_format::ResponseFormat::JsonObject));
+        let e = parse(br#"{"prompt":"hi","response_format":{"type":"json_object"}}"#, false, 16).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("response_format"), "chat only");
+        let tools = r#""tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required""#;
+        let e = chat(&format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],"response_format":{{"type":"json_object"}},{tools}}}"#))
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("response_format"), "not with a required call");
         let e = chat(r#"{"messages":[{"role":"user","content":"hi"}],"top_k":-5}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("top_k"));
     }

@@ -50,8 +50,16 @@ impl TurnEvents {
         stops: Vec<String>,
         stop: Arc<AtomicBool>,
         tools: Option<Option<Vec<u32>>>,
+        structured: bool,
     ) -> TurnEvents {
-        TurnEvents { split: Splitter::new(model, chat, stops, tools), stop, stopping: false, generated: 0, cached: 0, done: false }
+        TurnEvents {
+            split: Splitter::new(model, chat, stops, tools, structured),
+            stop,
+            stopping: false,
+            generated: 0,
+            cached: 0,
+            done: false,
+        }
     }
 
     /// The items one worker event gives (`None`: the worker hung up).

@@ -42,6 +42,8 @@ pub struct Job {
     pub draft_gate: bool,
     /// How tokens are chosen (`None`: greedy).
     pub sampling: Option<deltafin::Sampling>,
+    /// The grammar a `response_format` asks the reply to follow.
+    pub constraint: Option<deltafin::Constraint>,
 }
 
 /// What the worker reports back.
@@ -180,7 +182,8 @@ fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
         .cancel(job.cancel.clone())
         .draft_max(job.draft_max)
         .draft_gate(job.draft_gate)
-        .sampling(job.sampling);
+        .sampling(job.sampling)
+        .constraint(job.constraint.clone());
     let mut out = JobOutput { job: &job, last: None };
     match generator.generate(&job.prompt, &opts, &mut out) {
         Ok(stats) => {
@@ -203,7 +206,11 @@ fn run(generator: &mut Generator<'_>, job: Job, metrics: &Metrics) {
 
 /// The batcher's job for a queued request.
 fn batch_job(job: &Job) -> BatchJob {
-    let opts = GenerateOptions::new(job.max_tokens).stop_ids(job.stop_ids.clone()).cancel(job.cancel.clone()).sampling(job.sampling);
+    let opts = GenerateOptions::new(job.max_tokens)
+        .stop_ids(job.stop_ids.clone())
+        .cancel(job.cancel.clone())
+        .sampling(job.sampling)
+        .constraint(job.constraint.clone());
     let b = BatchJob::new(job.prompt.clone(), opts);
     if job.prompt_logprobs.is_some() {
         b.with_prompt_logits()

@@ -42,10 +42,11 @@ pub use deltafin_core::{
     reserved_token_name, Backend, ChatFormat, Cpu, Isa, IsaKind, Mat, Message, ReplyPart, ReplySplitter, Role, StreamDecoder, Tokenizer,
     ToolCall, ToolEvent, ToolTurn, RESERVED,
 };
+pub use deltafin_grammar::{Error as GrammarError, Grammars};
 pub use deltafin_sched::{
     argmax, fresh_seed, model_sizes, size, BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, CacheMode, CachePolicy, Cancel,
-    ComputeRates, DraftWith, Engine, EngineBuilder, Error, FinishReason, GenerateOptions, Generator, JobId, LoadedModel, LogitRows,
-    MemoryPlan, ModelSizes, OnToken, Output, Phase, Plan, PlanInput, Result, Sampling, Sequence, Slot, Stats, Step, StepOutput,
+    ComputeRates, Constraint, DraftWith, Engine, EngineBuilder, Error, FinishReason, GenerateOptions, Generator, JobId, LoadedModel,
+    LogitRows, MemoryPlan, ModelSizes, OnToken, Output, Phase, Plan, PlanInput, Result, Sampling, Sequence, Slot, Stats, Step, StepOutput,
     AUTO_DRAFT_DIR, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT, LADDER_EFFICIENCY,
 };
 pub use deltafin_spec::{Drafter, NgramDrafter};

@@ -1,0 +1,89 @@
+//! Grammars over the committed trained model's tokenizer, driven by random logits: whatever the
+//! model prefers, the reply is JSON that the schema accepts, then K3's closing ids.
+
+use super::*;
+
+fn tokenizer() -> Arc<Tokenizer> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../training/models/k3");
+    let ranks = std::fs::read_to_string(dir.join("tiktoken.model")).unwrap();
+    let cfg = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();
+    Arc::new(Tokenizer::from_tiktoken(&ranks, Some(&cfg), deltafin_core::K3_PATTERN).unwrap())
+}
+
+/// Generates with `c` from xorshift logits (greedy among the allowed) until `<|end_of_msg|>`;
+/// returns the text before `<|close|>` and every id.
+fn generate(tok: &Tokenizer, c: &Constraint, seed: u64, steps: usize) -> (String, Vec<u32>) {
+    let mut x = seed | 1;
+    let mut ids = vec![];
+    let end = tok.special("<|end_of_msg|>").unwrap();
+    let opts = deltafin_sched::GenerateOptions::new(steps);
+    for p in 0..steps {
+        let logits: Vec<f32> = (0..tok.vocab_len() + 7)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 1000) as f32 / 100.0
+            })
+            .collect();
+        let id = opts.clone().constraint(Some(c.clone())).next_token(&logits, p).unwrap();
+        ids.push(id);
+        if id == end {
+            break;
+        }
+    }
+    let close = tok.special("<|close|>").unwrap();
+    let json_ids: Vec<u32> = ids.iter().copied().take_while(|&i| i != close).collect();
+    (tok.decode(&json_ids), ids)
+}
+
+#[test]
+fn any_object_then_the_closing_ids() {
+    let tok = tokenizer();
+    let g = Grammars::new(tok.clone()).unwrap();
+    for seed in 1..6 {
+        let (text, ids) = generate(&tok, &g.json(None).unwrap(), seed, 400);
+        if ids.last() != tok.special("<|end_of_msg|>").as_ref() {
+            continue; // a random walk may still be inside a long string; the schemas below bound it
+        }
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(v.is_object(), "{text}");
+        assert_eq!(ids[ids.len() - g.suffix.len()..], g.suffix[..], "the closing ids follow the JSON");
+    }
+}
+
+#[test]
+fn schemas_with_nesting_enums_and_arrays_are_followed() {
+    let tok = tokenizer();
+    let g = Grammars::new(tok.clone()).unwrap();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+            "where": {"type": "object", "properties": {"lat": {"type": "boolean"}}, "required": ["lat"], "additionalProperties": false}
+        },
+        "required": ["city", "unit", "days", "where"],
+        "additionalProperties": false
+    });
+    for seed in 1..9 {
+        let (text, ids) = generate(&tok, &g.json(Some(&schema)).unwrap(), seed, 300);
+        assert_eq!(ids.last(), tok.special("<|end_of_msg|>").as_ref(), "the reply ends: {text:?}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(v["city"].as_str().is_some_and(|c| c.chars().count() <= 12), "{text}");
+        assert!(["celsius", "fahrenheit"].contains(&v["unit"].as_str().unwrap()), "{text}");
+        let days = v["days"].as_array().unwrap();
+        assert!(days.len() <= 3 && days.iter().all(|d| d.as_i64().is_some_and(|d| (0..=9).contains(&d))), "{text}");
+        assert!(v["where"]["lat"].is_boolean(), "{text}");
+        assert_eq!(v.as_object().unwrap().len(), 4, "no other keys: {text}");
+    }
+}
+
+#[test]
+fn a_schema_it_cannot_compile_is_an_error_naming_it() {
+    let g = Grammars::new(tokenizer()).unwrap();
+    let e = g.json(Some(&serde_json::json!({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}))).unwrap_err();
+    assert!(e.to_string().contains("nowhere"), "{e}");
+    assert!(g.json(Some(&serde_json::json!("x"))).is_err());
+}
