@@ -266,6 +266,45 @@ fn a_required_or_named_tool_choice_opens_the_call_for_the_model() {
     assert_eq!((st, v["error"]["param"].as_str()), (400, Some("tool_choice")));
 }
 
+/// Issue 51.2: a required or named call's arguments are constrained to its tool's `parameters`,
+/// whatever the fixture's random weights prefer.
+#[test]
+fn a_required_call_is_a_declared_tool_with_arguments_its_schema_accepts() {
+    let s = start(&["--context", "1024"]);
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["a", "b"], "additionalProperties": false}}}
+    ]);
+    let named = json!({"type": "function", "function": {"name": "add"}});
+    for (i, (prompt, choice)) in
+        [("weather in Oslo?", json!("required")), ("2 + 3?", json!("required")), ("sum", named)].into_iter().enumerate()
+    {
+        let body = json!({"messages": [{"role": "user", "content": prompt}], "tools": tools, "tool_choice": choice, "max_tokens": 200});
+        let (st, v) = s.json("/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "case {i}: {v}");
+        let f = &c["message"]["tool_calls"][0]["function"];
+        let args: Value = serde_json::from_str(f["arguments"].as_str().unwrap()).unwrap_or_else(|e| panic!("case {i}: {f}: {e}"));
+        match f["name"].as_str().unwrap() {
+            "get_weather" => {
+                assert!(args["city"].as_str().is_some_and(|c| c.chars().count() <= 12), "{args}");
+                assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()), "{args}");
+                assert_eq!(args.as_object().unwrap().len(), 2, "{args}");
+            }
+            "add" => assert!(args["a"].as_i64().is_some_and(|a| (0..=99).contains(&a)) && args["b"].is_i64(), "{args}"),
+            other => panic!("case {i}: undeclared tool {other}"),
+        }
+        if i == 2 {
+            assert_eq!(f["name"], "add", "the named tool");
+        }
+    }
+}
+
 #[test]
 fn reasoning_is_apart_by_default_and_folded_into_content_when_asked() {
     let reply = "weighing it<|close|>think<|sep|><|open|>response<|sep|>Hello<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>";

@@ -29,7 +29,7 @@ mod weights;
 
 pub use crate::{
     backend::{Backend, Cpu, ExpertId, MlaHead},
-    chat::{ChatFormat, Message, Role, ToolCall, ToolTurn},
+    chat::{attr_of, attr_value, ChatFormat, Message, Role, ToolCall, ToolTurn},
     config::{AttentionKind, ExpertShape, K3Config, MlpKind},
     error::{Error, Result},
     kernels::{

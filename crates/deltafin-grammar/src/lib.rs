@@ -2,11 +2,14 @@
 //! masks K3's exact logits with, through llguidance (the constrained-decoding library llama.cpp
 //! and vLLM use).
 //!
-//! The reply it shapes is K3's assistant turn with its `response` element already open (the
-//! prompt gives an empty `think`): the JSON value, compact (no free whitespace, which a small
-//! model can repeat forever), then the element and message closed and `<|end_of_msg|>`, each
-//! forced one token at a time. What this crate never does: choose tokens (the engine does, among
-//! those allowed) or see logits.
+//! Each grammar is a Lark grammar over the rest of K3's assistant turn: for `response_format`, the
+//! prompt opened the `response` element (after an empty `think`) and the grammar is the JSON
+//! value, compact (no free whitespace, which a small model can repeat forever), then
+//! `<|close|>response<|sep|><|close|>message<|sep|>`; for a required tool call, the prompt opened
+//! the `tool_call` tag and the grammar is a declared tool's name, its arguments as its
+//! `parameters` schema allows, and the call and message closed. `<|end_of_msg|>` is then the one
+//! id allowed, and ends the reply. What this crate never does: choose tokens (the engine does,
+//! among those allowed) or see logits.
 
 use std::sync::Arc;
 
@@ -54,17 +57,21 @@ impl TokenizerEnv for K3TokEnv {
 /// 163,840 ids) and shared by every request's grammar.
 pub struct Grammars {
     factory: ParserFactory,
-    /// The ids that close the reply after the JSON value: `<|close|>response<|sep|>`,
-    /// `<|close|>message<|sep|>`, `<|end_of_msg|>`.
-    suffix: Vec<u32>,
-    vocab: usize,
+}
+
+/// A tool a required call may name, with its arguments' schema (`parameters`).
+pub struct Tool<'a> {
+    pub name: &'a str,
+    pub parameters: Option<&'a Value>,
 }
 
 impl Grammars {
     /// Builds the vocabulary of `tok` (K3's chat specials required).
     pub fn new(tok: Arc<Tokenizer>) -> Result<Grammars, Error> {
-        let special = |name: &str| tok.special(name).ok_or_else(|| Error::Vocabulary(format!("the tokenizer has no {name} token")));
-        let (close, sep, end) = (special("<|close|>")?, special("<|sep|>")?, special("<|end_of_msg|>")?);
+        for name in ["<|open|>", "<|close|>", "<|sep|>"] {
+            tok.special(name).ok_or_else(|| Error::Vocabulary(format!("the tokenizer has no {name} token")))?;
+        }
+        let end = tok.special("<|end_of_msg|>").ok_or_else(|| Error::Vocabulary("the tokenizer has no <|end_of_msg|> token".into()))?;
         let vocab = tok.vocab_len();
         let words: Vec<Vec<u8>> = (0..vocab as u32)
             .map(|id| {
@@ -76,71 +83,86 @@ impl Grammars {
                 }
             })
             .collect();
-        // The JSON ends where the model chooses `<|close|>`: llguidance's end of sequence.
-        let info = TokRxInfo::new(vocab as u32, close);
+        // Every grammar here ends the assistant message; `<|end_of_msg|>` then ends the reply.
+        let info = TokRxInfo::new(vocab as u32, end);
         let trie = TokTrie::from(&info, &words);
-        let mut suffix = vec![close];
-        suffix.extend(tok.encode_ordinary("response"));
-        suffix.extend([sep, close]);
-        suffix.extend(tok.encode_ordinary("message"));
-        suffix.extend([sep, end]);
         let env: TokEnv = Arc::new(K3TokEnv { trie, tok });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| Error::Vocabulary(e.to_string()))?;
         factory.quiet();
-        Ok(Grammars { factory, suffix, vocab })
+        Ok(Grammars { factory })
     }
 
-    /// A constraint for a reply that is one JSON value valid under `schema` (`None`: any JSON
-    /// object, as `response_format: json_object` asks).
+    /// A reply that is one JSON value valid under `schema` (`None`: any JSON object, as
+    /// `response_format: json_object` asks), then the `response` element and the message closed.
     pub fn json(&self, schema: Option<&Value>) -> Result<Constraint, Error> {
-        let mut schema = match schema {
-            None => serde_json::json!({"type": "object"}),
-            Some(Value::Object(o)) => Value::Object(o.clone()),
-            Some(Value::Bool(true)) => serde_json::json!({}),
-            Some(other) => return Err(Error::Schema(format!("a JSON schema must be an object, not {other}"))),
-        };
-        JsonCompileOptions { whitespace_flexible: false, ..Default::default() }.apply_to(&mut schema);
-        let parser = self.factory.create_parser(TopLevelGrammar::from_json_schema(schema)).map_err(|e| Error::Schema(e.to_string()))?;
+        let json = compact(schema)?;
+        self.compile(format!("start: %json {json} <|close|> \"response\" <|sep|> <|close|> \"message\" <|sep|>\n"))
+    }
+
+    /// A required tool call whose arguments `parameters` accepts: the prompt ends inside the
+    /// opened `tool_call` tag (after `name="NAME"` when `named`); the model names one of
+    /// `tools` (unless named), writes the arguments, and closes the call and the message.
+    pub fn tool_call(&self, tools: &[Tool<'_>], named: Option<&str>) -> Result<Constraint, Error> {
+        let tail = "<|close|> \"tool_call\" <|sep|> <|close|> \"message\" <|sep|>";
+        let mut rules = vec![];
+        for (i, t) in tools.iter().enumerate() {
+            let head = match named {
+                Some(n) if n == t.name => String::new(),
+                Some(_) => continue,
+                None => lark_string(&format!(" name=\"{}\"", deltafin_core::attr_value(t.name))),
+            };
+            rules.push(format!("call{i}: {head} <|sep|> %json {} {tail}", compact(t.parameters)?));
+        }
+        if rules.is_empty() {
+            return Err(Error::Schema("no declared tool matches the required call".into()));
+        }
+        let names: Vec<String> = rules.iter().map(|r| r.split(':').next().unwrap_or_default().to_string()).collect();
+        self.compile(format!("start: {}\n{}\n", names.join(" | "), rules.join("\n")))
+    }
+
+    fn compile(&self, lark: String) -> Result<Constraint, Error> {
+        let parser = self.factory.create_parser(TopLevelGrammar::from_lark(lark)).map_err(|e| Error::Schema(e.to_string()))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(Error::Schema(e));
         }
-        Ok(Constraint::new(JsonReply { matcher, suffix: self.suffix.clone(), forced: None, vocab: self.vocab }))
+        Ok(Constraint::new(Reply(matcher)))
     }
 }
 
-/// One reply's grammar: the JSON value, then the closing ids in order.
-struct JsonReply {
-    matcher: Matcher,
-    suffix: Vec<u32>,
-    /// How many closing ids have been generated (`None`: still inside the JSON).
-    forced: Option<usize>,
-    vocab: usize,
+/// `schema` (`None`: any object) as JSON text, with compact output asked of llguidance (free
+/// whitespace is a loop a small model can fall into).
+fn compact(schema: Option<&Value>) -> Result<String, Error> {
+    let mut schema = match schema {
+        None => serde_json::json!({"type": "object"}),
+        Some(Value::Object(o)) => Value::Object(o.clone()),
+        Some(Value::Bool(true)) => serde_json::json!({}),
+        Some(other) => return Err(Error::Schema(format!("a JSON schema must be an object, not {other}"))),
+    };
+    JsonCompileOptions { whitespace_flexible: false, ..Default::default() }.apply_to(&mut schema);
+    Ok(schema.to_string())
 }
 
-impl TokenConstraint for JsonReply {
+/// A Lark string literal of `text` (JSON's escapes are Lark's).
+fn lark_string(text: &str) -> String {
+    Value::from(text).to_string()
+}
+
+/// One reply's grammar state.
+struct Reply(Matcher);
+
+impl TokenConstraint for Reply {
     fn allowed(&mut self) -> Result<Vec<u32>, String> {
-        let vob = match self.forced {
-            None => self.matcher.compute_mask_or_eos().map_err(|e| e.to_string())?,
-            Some(i) => {
-                let mut v = SimpleVob::alloc(self.vocab);
-                if let Some(&id) = self.suffix.get(i) {
-                    v.allow_token(id);
-                }
-                v
-            }
-        };
+        let vob: SimpleVob = self.0.compute_mask_or_eos().map_err(|e| e.to_string())?;
         Ok(vob.as_slice().to_vec())
     }
 
     fn commit(&mut self, id: u32) -> Result<(), String> {
-        match self.forced {
-            None if id == self.suffix[0] => self.forced = Some(1),
-            None => self.matcher.consume_token(id).map_err(|e| e.to_string())?,
-            Some(i) if self.suffix.get(i) == Some(&id) => self.forced = Some(i + 1),
-            Some(_) => return Err(format!("id {id} is not the reply's closing")),
+        // Once the grammar is complete only `<|end_of_msg|>` was allowed: nothing to move past.
+        if self.0.is_stopped() {
+            return Ok(());
         }
-        Ok(())
+        self.0.consume_token(id).map_err(|e| e.to_string())
     }
 }
 

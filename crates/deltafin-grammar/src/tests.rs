@@ -48,7 +48,10 @@ fn any_object_then_the_closing_ids() {
         }
         let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
         assert!(v.is_object(), "{text}");
-        assert_eq!(ids[ids.len() - g.suffix.len()..], g.suffix[..], "the closing ids follow the JSON");
+        let close = tok.special("<|close|>").unwrap();
+        let tail = &ids[ids.iter().position(|&i| i == close).unwrap()..];
+        assert_eq!(tok.decode(tail).replace(['\u{0}'], ""), "", "specials decode to nothing");
+        assert_eq!(tail.iter().filter(|&&i| i == close).count(), 2, "the response and the message are closed");
     }
 }
 
@@ -86,4 +89,42 @@ fn a_schema_it_cannot_compile_is_an_error_naming_it() {
     let e = g.json(Some(&serde_json::json!({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}))).unwrap_err();
     assert!(e.to_string().contains("nowhere"), "{e}");
     assert!(g.json(Some(&serde_json::json!("x"))).is_err());
+}
+
+#[test]
+fn a_required_call_names_a_declared_tool_and_its_arguments_fit_its_schema() {
+    let tok = tokenizer();
+    let g = Grammars::new(tok.clone()).unwrap();
+    let weather = serde_json::json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": false});
+    let add = serde_json::json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+        "b": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a", "b"], "additionalProperties": false});
+    let tools = [Tool { name: "get_weather", parameters: Some(&weather) }, Tool { name: "add", parameters: Some(&add) }];
+    let (open, close, sep) = (tok.special("<|open|>").unwrap(), tok.special("<|close|>").unwrap(), tok.special("<|sep|>").unwrap());
+    let mut seen = std::collections::HashSet::new();
+    for seed in 1..12 {
+        let (head, ids) = generate(&tok, &g.tool_call(&tools, None).unwrap(), seed, 300);
+        assert_eq!(ids.last(), tok.special("<|end_of_msg|>").as_ref(), "{head:?}");
+        let name = deltafin_core::attr_of(&format!("tool_call{head}"), "name").unwrap_or_else(|| panic!("{head:?}"));
+        let at = ids.iter().position(|&i| i == sep).unwrap();
+        let args_end = ids.iter().position(|&i| i == close).unwrap();
+        let args: Value = serde_json::from_str(&tok.decode(&ids[at + 1..args_end])).unwrap();
+        match name.as_str() {
+            "get_weather" => {
+                assert!(args["city"].as_str().unwrap().chars().count() <= 10 && ["c", "f"].contains(&args["unit"].as_str().unwrap()))
+            }
+            "add" => assert!((0..=9).contains(&args["a"].as_i64().unwrap()) && (0..=9).contains(&args["b"].as_i64().unwrap())),
+            other => panic!("undeclared tool {other}"),
+        }
+        assert!(!ids.contains(&open), "no other element opens");
+        seen.insert(name);
+    }
+    assert_eq!(seen.len(), 2, "random preferences reach both tools");
+    // Named: only that tool's arguments.
+    let (text, ids) = generate(&tok, &g.tool_call(&tools, Some("add")).unwrap(), 5, 300);
+    assert_eq!(ids[0], sep, "the prompt holds the name: {text:?}");
+    let args_end = ids.iter().position(|&i| i == close).unwrap();
+    let args: Value = serde_json::from_str(&tok.decode(&ids[1..args_end])).unwrap();
+    assert!(args["a"].is_i64() && args["b"].is_i64(), "{args}");
+    assert!(g.tool_call(&tools, Some("nope")).is_err());
 }

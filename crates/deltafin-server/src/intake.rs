@@ -38,22 +38,48 @@ pub(crate) fn loggable(text: &str) -> String {
     crate::request::escaped_capped(text, 300)
 }
 
-/// The grammar a `response_format` asks for, compiled (the model's vocabulary is compiled once,
-/// on the first such request); a schema llguidance cannot handle is a 400 naming its part.
+/// The grammar a request's reply must follow, compiled (the model's vocabulary is compiled once,
+/// on the first such request): a `response_format`'s JSON, or a required call's arguments as
+/// its tool's `parameters` schema allows. A schema llguidance cannot handle is a 400 naming the
+/// field and the part.
 pub(crate) fn constraint(
     model: &LoadedModel,
     grammars: &std::sync::OnceLock<Result<deltafin::Grammars, String>>,
-    format: Option<&crate::response_format::ResponseFormat>,
+    req: &Request,
 ) -> Result<Option<deltafin::Constraint>, ApiError> {
-    let Some(format) = format else { return Ok(None) };
+    let tools = match &req.prompt {
+        Prompt::Chat { tools: Some(t), .. } if t.choice != deltafin::ToolTurn::Free => Some(t),
+        _ => None,
+    };
+    if req.response_format.is_none() && tools.is_none() {
+        return Ok(None);
+    }
     let g = grammars
         .get_or_init(|| deltafin::Grammars::new(model.shared_tokenizer()).map_err(|e| e.to_string()))
         .as_ref()
         .map_err(|e| api_error(400, "invalid_request_error", format!("structured output needs K3's chat tokens: {e}")))?;
-    match g.json(format.schema()) {
-        Ok(c) => Ok(Some(c)),
-        Err(e) => Err(ApiError::bad("response_format", format!("the schema cannot be used for structured output: {e}"))),
+    if let Some(format) = &req.response_format {
+        return match g.json(format.schema()) {
+            Ok(c) => Ok(Some(c)),
+            Err(e) => Err(ApiError::bad("response_format", format!("the schema cannot be used for structured output: {e}"))),
+        };
     }
+    let Some(tools) = tools else { return Ok(None) };
+    let declared: Vec<serde_json::Value> = serde_json::from_str(&tools.declared).unwrap_or_default();
+    let list: Vec<deltafin::GrammarTool<'_>> = declared
+        .iter()
+        .filter_map(|t| {
+            let f = t.get("function")?;
+            Some(deltafin::GrammarTool { name: f.get("name")?.as_str()?, parameters: f.get("parameters") })
+        })
+        .collect();
+    let named = match &tools.choice {
+        deltafin::ToolTurn::Named(n) => Some(n.as_str()),
+        _ => None,
+    };
+    g.tool_call(&list, named)
+        .map(Some)
+        .map_err(|e| ApiError::bad("tools", format!("a tool's `parameters` cannot be used to constrain its arguments: {e}")))
 }
 
 /// A request's prompt ids, stop ids and tool-turn state, with `max_tokens` settled against the

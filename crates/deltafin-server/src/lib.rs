@@ -407,7 +407,7 @@ async fn handle(s: Shared, headers: HeaderMap, body: axum::body::Body, chat: boo
     let c = cancel.clone();
     let grammars = ready.grammars.clone();
     let built = tokio::task::spawn_blocking(move || {
-        let constraint = intake::constraint(&m, &grammars, req.response_format.as_ref())?;
+        let constraint = intake::constraint(&m, &grammars, &req)?;
         build_prompt(&m, req, chat, &c).map(|b| (b, constraint))
     })
     .await;

@@ -42,7 +42,7 @@ pub use deltafin_core::{
     reserved_token_name, Backend, ChatFormat, Cpu, Isa, IsaKind, Mat, Message, ReplyPart, ReplySplitter, Role, StreamDecoder, Tokenizer,
     ToolCall, ToolEvent, ToolTurn, RESERVED,
 };
-pub use deltafin_grammar::{Error as GrammarError, Grammars};
+pub use deltafin_grammar::{Error as GrammarError, Grammars, Tool as GrammarTool};
 pub use deltafin_sched::{
     argmax, fresh_seed, model_sizes, size, BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, CacheMode, CachePolicy, Cancel,
     ComputeRates, Constraint, DraftWith, Engine, EngineBuilder, Error, FinishReason, GenerateOptions, Generator, JobId, LoadedModel,
