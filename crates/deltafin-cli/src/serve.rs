@@ -44,8 +44,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 10)]
     pub keep_alive: u64,
     /// Requests generated together, in lockstep: one expert read serves all of them, each gets
-    /// its solo output. The RAM budget must hold this many sequences' state. 1: one at a time
-    /// (with --draft and reuse of a conversation's kept state).
+    /// its solo output. The RAM budget must hold this many sequences' state. 1: one at a time.
+    /// With --draft, each request in the batch drafts by prompt lookup (a draft model only at 1).
     #[arg(long, default_value_t = 1)]
     pub max_batch: usize,
     /// RAM for this many sequences' state at the context limit, kept between requests so that a

@@ -417,6 +417,29 @@ fn eight_concurrent_streams_in_lockstep_get_their_solo_outputs() {
     assert!(metrics.contains("deltafin_"), "{metrics}");
 }
 
+/// Issue 49: `--max-batch` no longer turns drafting off: with `--draft ngram` every request in
+/// the lockstep batch drafts by prompt lookup, and each still gets its solo plain output.
+#[test]
+fn drafting_in_a_lockstep_batch_gives_each_client_its_solo_plain_output() {
+    let prompts: Vec<String> = (0..6)
+        .map(|i| format!("{} {i} boats, {} {i} boats, {} {i} boats", "red ".repeat(i + 1), "red ".repeat(i + 1), "red ".repeat(i + 1)))
+        .collect();
+    let plain = start(&[]);
+    let want: Vec<Value> = prompts.iter().map(|p| plain.json("/v1/chat/completions", &chat_body(p, 24)).1).collect();
+    drop(plain);
+    let s = start(&["--max-batch", "4", "--draft", "ngram"]);
+    let got: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts.iter().map(|p| scope.spawn(|| s.json("/v1/chat/completions", &chat_body(p, 24)).1)).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut drafted = 0;
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"], "request {i} differs from its solo plain run");
+        drafted += got["timings"]["drafted_n"].as_u64().unwrap();
+    }
+    assert!(drafted > 0, "the requests drafted: {got:?}");
+}
+
 #[test]
 fn echo_scores_prompt_tokens_with_the_logprobs_generation_reports() {
     let s = start(&[]);

@@ -418,7 +418,7 @@ fn a_spine_that_does_not_fit_is_read_per_pass_checked_with_identical_ids() {
     };
     // From the whole spine resident down to every layer read each pass: the same ids.
     let mut streamed = Vec::new();
-    for budget in ["32M", "28M", "27M", "25.7M"] {
+    for budget in ["32M", "28M", "27M", "25.8M"] {
         let out = run(budget).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         assert!(out.status.success(), "{budget}: {err}");
@@ -436,13 +436,13 @@ fn a_spine_that_does_not_fit_is_read_per_pass_checked_with_identical_ids() {
     let m = manifest(&store);
     let e = &m.spine["language_model.model.embed_tokens.weight"];
     flip(&store.join("spine.bin"), e.offset + 5);
-    let err = fails(&mut run("25.7M"));
+    let err = fails(&mut run("25.8M"));
     assert!(err.contains("embed_tokens") && err.contains("checksum"), "{err}");
     flip(&store.join("spine.bin"), e.offset + 5);
     // A streamed layer is checked as it is read each pass.
     let t = &manifest(&store).spine["language_model.model.layers.5.self_attn.o_proj.weight"];
     flip(&store.join("spine.bin"), t.offset + 7);
-    let err = fails(&mut run("25.7M"));
+    let err = fails(&mut run("25.8M"));
     assert!(err.contains("layers.5.self_attn.o_proj.weight") && err.contains("checksum"), "{err}");
 }
 

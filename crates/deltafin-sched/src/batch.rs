@@ -11,6 +11,11 @@
 //! after its prompt are kept within the budget's allowance for kept state, and a job whose prompt
 //! extends one (a conversation's next turn) continues it, running only its new tokens.
 //!
+//! With [`Batcher::drafting`] on, each decoding job drafts by prompt lookup (its own n-gram
+//! drafter over its own tokens) whenever its text repeats: its pending token and the drafts run
+//! as one verify slot of the shared step, the prefix K3 agrees with is kept and the sequence cut
+//! back exactly, so every job's ids stay its solo plain run's.
+//!
 //! A job may also ask for the logits of its prompt rows (prompt scoring: `echo` with logprobs,
 //! single-token classification); with `max_new` 0 it ends after its prompt.
 
@@ -26,6 +31,7 @@ use crate::open::LoadedModel;
 use crate::sequence::Sequence;
 use crate::stats::Stats;
 use crate::step::{Phase, Slot};
+use deltafin_spec::{verify_with, Drafter, NgramDrafter};
 
 /// Most rows of scoring prompts one step takes when the working memory sets no bound (a model
 /// opened without a RAM budget).
@@ -38,7 +44,8 @@ pub type JobId = u64;
 #[derive(Clone, Debug)]
 pub struct BatchJob {
     pub prompt: Vec<u32>,
-    /// `max_new` (0: the prompt only), stop ids and a cancel flag; drafting is not used here.
+    /// `max_new` (0: the prompt only), stop ids, a cancel flag, sampling, an output grammar
+    /// (`draft_max` only with [`Batcher::drafting`], and never with a grammar).
     pub opts: GenerateOptions,
     /// Hand over the logits of every prompt row ([`BatchEvent::PromptLogits`]).
     pub prompt_logits: bool,
@@ -114,6 +121,10 @@ pub struct BatchStats {
     pub cached_tokens: u64,
     /// Expert bytes read from the drives.
     pub expert_bytes_read: u64,
+    /// Drafted tokens verified, those K3 agreed with, and verify slots run ([`Batcher::drafting`]).
+    pub drafted: u64,
+    pub accepted: u64,
+    pub verifies: u64,
     pub seconds: f64,
 }
 
@@ -162,12 +173,92 @@ struct Active {
     generated: usize,
     started: Instant,
     first_token: Option<Instant>,
+    /// Its drafter and every token so far (with [`Batcher::drafting`]).
+    drafter: Option<(Box<dyn Drafter>, Vec<u32>)>,
+    /// The drafts in this step's verify slot, after the pending token.
+    drafts: Vec<u32>,
+    drafted: u64,
+    accepted: u64,
+    verifies: u64,
 }
 
 impl Active {
     /// A job starting on `seq`, whose first `cached` prompt tokens it holds already.
     fn new(id: JobId, job: BatchJob, seq: Sequence, cached: usize) -> Active {
-        Active { id, job, seq, fed: cached, cached, pending: None, generated: 0, started: Instant::now(), first_token: None }
+        Active {
+            id,
+            job,
+            seq,
+            fed: cached,
+            cached,
+            pending: None,
+            generated: 0,
+            started: Instant::now(),
+            first_token: None,
+            drafter: None,
+            drafts: vec![],
+            drafted: 0,
+            accepted: 0,
+            verifies: 0,
+        }
+    }
+
+    /// Emits generated token `t` (chosen from `logits`); the reason the job ends there, if it does.
+    fn emit(&mut self, t: u32, logits: &[f32], out: &mut dyn BatchOutput) -> Option<FinishReason> {
+        self.generated += 1;
+        self.first_token.get_or_insert_with(Instant::now);
+        if let Some((_, context)) = &mut self.drafter {
+            context.push(t);
+        }
+        let keep_going = out.event(BatchEvent::Token { job: self.id, step: Step { id: t, logits } });
+        if self.job.opts.stop_ids.contains(&t) {
+            Some(FinishReason::Stop)
+        } else if !keep_going || self.generated == self.job.opts.max_new {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
+    /// Drafts for this step (up to `k`, within `max_new` and the context), if it drafts.
+    fn draft(&mut self, k: usize) {
+        self.drafts.clear();
+        let room = self.seq.context_limit().saturating_sub(self.seq.ids().len() + 1);
+        let want = k.min(self.job.opts.max_new.saturating_sub(self.generated)).min(room);
+        if let (Some((d, context)), true, Some(_)) = (&mut self.drafter, want > 0, self.pending) {
+            self.drafts = d.draft(context, want);
+            self.drafts.truncate(want);
+        }
+    }
+
+    /// After a verify slot: emits the drafts K3 agreed with and cuts the sequence back to them.
+    /// `Ok(Ok(row))`: go on choosing from `logits` row `row`; `Ok(Err(reason))`: the job ended.
+    fn settle_drafts(
+        &mut self,
+        model: &deltafin_core::Model,
+        logits: &Mat,
+        out: &mut dyn BatchOutput,
+    ) -> Result<std::result::Result<usize, FinishReason>> {
+        let drafts = std::mem::take(&mut self.drafts);
+        // Row i predicts the token at `start + i + 1`, `start` being the pending token's place.
+        let start = self.seq.ids().len() - drafts.len() - 1;
+        let opts = &self.job.opts;
+        let verdict = verify_with(&drafts, logits, |row, i| opts.choose(row, start + i + 1));
+        if let Some((d, _)) = &mut self.drafter {
+            d.accepted(drafts.len(), verdict.accepted);
+        }
+        (self.drafted, self.accepted, self.verifies) =
+            (self.drafted + drafts.len() as u64, self.accepted + verdict.accepted as u64, self.verifies + 1);
+        let mut ended = None;
+        let mut kept = verdict.accepted;
+        for (i, &t) in drafts[..verdict.accepted].iter().enumerate() {
+            if let Some(reason) = self.emit(t, logits.row(i), out) {
+                (ended, kept) = (Some(reason), i + 1);
+                break;
+            }
+        }
+        self.seq.rewind_to(model, start + 1 + kept)?;
+        Ok(ended.map_or(Ok(verdict.accepted), Err))
     }
 
     /// The job's own stats (the steps it shared are counted in the batch's).
@@ -182,6 +273,9 @@ impl Active {
             ttft_s: (first - self.started).as_secs_f64(),
             decode_tok_s: if self.generated > 1 && decode > 0.0 { (self.generated - 1) as f64 / decode } else { 0.0 },
             total_s: (now - self.started).as_secs_f64(),
+            drafted: self.drafted,
+            accepted: self.accepted,
+            verifies: self.verifies,
             ..Stats::default()
         }
     }
@@ -197,14 +291,45 @@ pub struct Batcher<'m> {
     stats: BatchStats,
     /// Sequences kept for reuse (with [`Batcher::keep_states`]).
     kept: Option<KeptStates>,
+    /// Most drafts a job verifies per step (0: no drafting), and each job's drafter.
+    draft_max: usize,
+    new_drafter: DrafterFactory,
 }
+
+/// Makes a job's drafter when it starts.
+pub type DrafterFactory = Box<dyn Fn(&BatchJob) -> Box<dyn Drafter>>;
 
 impl<'m> Batcher<'m> {
     /// A batcher running at most `max_active` sequences at once (and never more than the model
     /// holds sequence slots for).
     pub fn new(model: &'m LoadedModel, max_active: usize) -> Batcher<'m> {
         let max_active = max_active.clamp(1, model.max_sequences());
-        Batcher { model, max_active, waiting: VecDeque::new(), active: Vec::new(), next_id: 0, stats: BatchStats::default(), kept: None }
+        Batcher {
+            model,
+            max_active,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            next_id: 0,
+            stats: BatchStats::default(),
+            kept: None,
+            draft_max: 0,
+            new_drafter: Box::new(|_| Box::new(NgramDrafter::default())),
+        }
+    }
+
+    /// Lets every job draft up to `k` tokens per step by prompt lookup (jobs with an output
+    /// grammar never draft): where text repeats, a job advances several tokens per step.
+    pub fn drafting(mut self, k: usize) -> Batcher<'m> {
+        self.draft_max = k;
+        self
+    }
+
+    /// [`Batcher::drafting`] with drafters `new_drafter` makes for each job (the tests' oracle
+    /// and random drafters).
+    pub fn drafting_with(mut self, k: usize, new_drafter: DrafterFactory) -> Batcher<'m> {
+        self.draft_max = k;
+        self.new_drafter = new_drafter;
+        self
     }
 
     /// Keeps finished sequences (and copies right after their prompts) within the model's
@@ -306,7 +431,11 @@ impl<'m> Batcher<'m> {
             let cached = seq.ids().len();
             self.stats.cached_tokens += cached as u64;
             out.event(BatchEvent::Started { job: id, cached_tokens: cached });
-            self.active.push(Active::new(id, job, seq, cached));
+            let mut a = Active::new(id, job, seq, cached);
+            if self.draft_max > 0 && a.job.opts.constraint.is_none() {
+                a.drafter = Some(((self.new_drafter)(&a.job), a.job.prompt.clone()));
+            }
+            self.active.push(a);
         }
     }
 
@@ -367,12 +496,21 @@ impl<'m> Batcher<'m> {
         }
         // What each active job runs in this step: decode rows first, then prompt chunks while
         // rows are left (a job with none left sits this step out).
-        let mut rows_left = rows_planned - self.active.iter().filter(|a| a.pending.is_some()).count().min(rows_planned);
+        let decoding = self.active.iter().filter(|a| a.pending.is_some()).count().min(rows_planned);
+        // Drafts take rows the step would give prompt chunks, up to what the working memory
+        // was planned for.
+        let mut spare = rows_planned - decoding;
+        for a in &mut self.active {
+            a.draft(self.draft_max.min(spare));
+            spare -= a.drafts.len();
+        }
+        let mut rows_left = spare;
         let plan: Vec<Option<(Vec<u32>, Phase, LogitRows)>> = self
             .active
             .iter()
             .map(|a| match a.pending {
-                Some(t) => Some((vec![t], Phase::Decode, LogitRows::Last)),
+                Some(t) if a.drafts.is_empty() => Some((vec![t], Phase::Decode, LogitRows::Last)),
+                Some(t) => Some(([&[t][..], &a.drafts].concat(), Phase::Verify, LogitRows::All)),
                 None => {
                     let end = a.fed.saturating_add(rows_left.min(chunk)).min(a.job.prompt.len());
                     rows_left -= end - a.fed;
@@ -432,7 +570,29 @@ impl<'m> Batcher<'m> {
             let Some((ids, phase, _)) = p else { continue };
             let logits = logits.next().expect("one logits matrix per slot");
             let a = &mut self.active[i];
-            let last = logits.row(logits.rows - 1);
+            let mut last = logits.row(logits.rows - 1);
+            if *phase == Phase::Verify {
+                let before = a.generated;
+                let settled = a.settle_drafts(self.model.engine().model(), logits, out);
+                self.stats.generated_tokens += (a.generated - before) as u64;
+                self.stats.drafted += logits.rows as u64 - 1;
+                self.stats.verifies += 1;
+                match settled {
+                    Ok(Ok(row)) => {
+                        self.stats.accepted += row as u64;
+                        last = logits.row(row);
+                    }
+                    Ok(Err(reason)) => {
+                        self.stats.accepted += (a.generated - before) as u64;
+                        done.push((i, reason));
+                        continue;
+                    }
+                    Err(e) => {
+                        failed.push((i, e));
+                        continue;
+                    }
+                }
+            }
             if *phase == Phase::Prompt {
                 if a.job.prompt_logits {
                     out.event(BatchEvent::PromptLogits { job: a.id, first: a.fed, logits });
@@ -460,14 +620,9 @@ impl<'m> Batcher<'m> {
                     continue;
                 }
             };
-            a.generated += 1;
-            a.first_token.get_or_insert_with(Instant::now);
             self.stats.generated_tokens += 1;
-            let keep_going = out.event(BatchEvent::Token { job: a.id, step: Step { id: t, logits: last } });
-            if a.job.opts.stop_ids.contains(&t) {
-                done.push((i, FinishReason::Stop));
-            } else if !keep_going || a.generated == a.job.opts.max_new {
-                done.push((i, FinishReason::Length));
+            if let Some(reason) = a.emit(t, last, out) {
+                done.push((i, reason));
             } else if a.seq.ids().len() + 1 > a.seq.context_limit() {
                 done.push((i, FinishReason::ContextLimit));
             } else {

@@ -41,7 +41,7 @@ pub use deltafin_core::argmax;
 pub use deltafin_store::{peak_rss_bytes, CacheMode, CachePolicy};
 
 pub use crate::{
-    batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, FinishReason, JobId},
+    batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, DrafterFactory, FinishReason, JobId},
     constraint::{Constraint, TokenConstraint},
     draft::{DraftWith, AUTO_DRAFT_DIR},
     engine::{Cancel, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows, Step},

@@ -7,6 +7,8 @@ mod common;
 
 use common::{fixture, min_budget, two_drive_store};
 
+use deltafin_spec::FlakyDrafter;
+
 use deltafin_sched::{BatchEvent, BatchJob, Batcher, EngineBuilder, FinishReason, GenerateOptions, LoadedModel, LogitRows, Sampling};
 
 fn jobs() -> Vec<BatchJob> {
@@ -19,6 +21,8 @@ fn jobs() -> Vec<BatchJob> {
         BatchJob::new(p(5, 1), GenerateOptions::new(1)),
         BatchJob::new(p(6, 11), GenerateOptions::new(0)).with_prompt_logits(),
         BatchJob::new(p(7, 8), GenerateOptions::new(7)).with_prompt_logits(),
+        // Repeating text: prompt lookup drafts it (with `Batcher::drafting`).
+        BatchJob::new([5, 6, 7, 8, 9].repeat(5), GenerateOptions::new(24)),
         // Sampled: the seeded draw at each position is the one it gets alone.
         BatchJob::new(p(8, 5), GenerateOptions::new(15).sampling(Some(Sampling { top_k: 40, ..Sampling::new(0.9, 11) }))),
     ]
@@ -56,8 +60,12 @@ fn solo(model: &LoadedModel, job: &BatchJob) -> Run {
 }
 
 fn check(model: &LoadedModel, max_active: usize, label: &str) {
+    check_drafting(model, max_active, Batcher::new(model, max_active), label);
+}
+
+/// [`check`] with `batcher` (drafting as it was told to).
+fn check_drafting(model: &LoadedModel, max_active: usize, mut batcher: Batcher<'_>, label: &str) -> deltafin_sched::BatchStats {
     let jobs = jobs();
-    let mut batcher = Batcher::new(model, max_active);
     assert_eq!(batcher.max_active(), max_active.min(model.max_sequences()));
     for j in &jobs {
         batcher.submit(j.clone());
@@ -103,6 +111,28 @@ fn check(model: &LoadedModel, max_active: usize, label: &str) {
     }
     let s = batcher.stats();
     assert!(s.sequences_per_step() > 1.5, "{label}: sequences shared steps: {}", s.sequences_per_step());
+    s.clone()
+}
+
+/// Issue 49: drafts inside a lockstep batch. Each job's drafter is an oracle of its solo run
+/// that turns random after a while (accepted drafts, then rejected ones cut back), or prompt
+/// lookup; every job's ids and logits stay its solo plain run's.
+#[test]
+fn drafting_jobs_in_lockstep_match_their_solo_plain_runs() {
+    for (slots, chunk) in [(3, None), (4, Some(4))] {
+        let model = EngineBuilder::new(fixture()).max_sequences(slots).prefill_chunk(chunk).open().unwrap();
+        let scripts: Vec<(Vec<u32>, Vec<u32>)> =
+            jobs().iter().map(|j| (j.prompt.clone(), [j.prompt.clone(), solo(&model, j).0].concat())).collect();
+        let flaky: deltafin_sched::DrafterFactory = Box::new(move |job| {
+            let script = scripts.iter().find(|(p, _)| *p == job.prompt).map(|(_, s)| s.clone()).unwrap();
+            Box::new(FlakyDrafter::new(script, 1000, 2))
+        });
+        let label = format!("{slots} slots, chunk {chunk:?}");
+        let s = check_drafting(&model, slots, Batcher::new(&model, slots).drafting_with(4, flaky), &format!("{label}, flaky drafts"));
+        assert!(s.verifies > 0 && s.accepted > 0 && s.accepted < s.drafted, "drafts were kept and cut back: {s:?}");
+        assert!(s.steps < s.generated_tokens, "accepted drafts saved steps: {s:?}");
+        check_drafting(&model, slots, Batcher::new(&model, slots).drafting(4), &format!("{label}, prompt lookup"));
+    }
 }
 
 #[test]

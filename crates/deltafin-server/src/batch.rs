@@ -259,7 +259,7 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
     };
     let model = Arc::new(model);
     let state = AppState::new(server);
-    let queue = crate::worker::start(model.clone(), state.cfg.max_queue, max_batch, state.metrics.clone());
+    let queue = crate::worker::start(model.clone(), state.cfg.max_queue, max_batch, 0, state.metrics.clone());
     let _ = state.ready.set(Ready { model, queue, grammars: Arc::default() });
     let metrics = state.metrics.clone();
     let app = router(state);

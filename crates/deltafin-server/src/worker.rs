@@ -108,8 +108,9 @@ impl Queue {
 }
 
 /// Starts the worker thread for `model` with room for `max_queue` waiting jobs, running up to
-/// `max_batch` in lockstep (1: one at a time, with the generator's drafter and kept state).
-pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, metrics: Arc<Metrics>) -> Queue {
+/// `max_batch` in lockstep (1: one at a time, with the generator's drafter and kept state; more:
+/// each request drafting up to `draft_max` tokens per step by prompt lookup).
+pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, draft_max: usize, metrics: Arc<Metrics>) -> Queue {
     let (tx, rx) = mpsc::sync_channel::<Job>(max_queue);
     let depth = Arc::new(AtomicUsize::new(0));
     let d = depth.clone();
@@ -117,7 +118,7 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, metric
         .name("deltafin-engine".into())
         .spawn(move || {
             if max_batch > 1 {
-                return run_batched(&model, max_batch, &rx, &d, &metrics);
+                return run_batched(&model, max_batch, draft_max, &rx, &d, &metrics);
             }
             let mut generator = Generator::new(&model);
             while let Ok(job) = rx.recv() {
@@ -269,8 +270,9 @@ fn on_batch_event(e: BatchEvent<'_>, jobs: &mut HashMap<JobId, Job>, metrics: &M
 }
 
 /// The lockstep loop: jobs join the batcher as they arrive and leave as they finish.
-fn run_batched(model: &LoadedModel, max_batch: usize, rx: &mpsc::Receiver<Job>, depth: &AtomicUsize, metrics: &Metrics) {
-    let mut batcher = Batcher::new(model, max_batch).keep_states();
+fn run_batched(model: &LoadedModel, max_batch: usize, draft_max: usize, rx: &mpsc::Receiver<Job>, depth: &AtomicUsize, metrics: &Metrics) {
+    let new_batcher = || Batcher::new(model, max_batch).keep_states().drafting(draft_max);
+    let mut batcher = new_batcher();
     let mut jobs: HashMap<JobId, Job> = HashMap::new();
     loop {
         // Wait for work when idle; otherwise take whatever arrived since the last step.
@@ -302,7 +304,7 @@ fn run_batched(model: &LoadedModel, max_batch: usize, rx: &mpsc::Receiver<Job>, 
             for (_, j) in jobs.drain() {
                 let _ = j.events.send(Event::Failed("internal error: the generation panicked; the server is still running".into()));
             }
-            batcher = Batcher::new(model, max_batch).keep_states();
+            batcher = new_batcher();
         }
     }
 }
