@@ -8,5 +8,6 @@ pub mod gen_k3;
 pub mod gen_qwen3;
 pub mod hub_emulator;
 pub mod oracle;
+#[cfg(feature = "train")]
 pub mod train_tokenizer;
 pub mod trained;

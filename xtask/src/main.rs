@@ -143,10 +143,15 @@ enum Cmd {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::GenK3 { preset, seed, out, sparse } => xtask::gen_k3::generate_with(&preset, seed, &out, sparse),
+        #[cfg(feature = "train")]
         Cmd::TrainTokenizer { corpus, ranks, fiction_weight, out } => {
             let mut files = vec![corpus.join("lit.txt"); fiction_weight.max(1)];
             files.push(corpus.join("tech.txt"));
             xtask::train_tokenizer::train(&files, ranks, &out)
+        }
+        #[cfg(not(feature = "train"))]
+        Cmd::TrainTokenizer { .. } => {
+            anyhow::bail!("this xtask was built without the `train` feature (the GPU bundle's); use `cargo xtask`")
         }
         Cmd::TokenizeCorpus { corpus, out } => xtask::trained::tokenize_corpus(&corpus, &out),
         Cmd::ExportTrained { from, out } => xtask::trained::export(&from, &out),

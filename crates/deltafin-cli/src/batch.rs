@@ -64,6 +64,7 @@ pub fn run_batch(a: BatchArgs) -> Result<()> {
         max_batch,
         model_name: name,
         default_max_tokens: a.default_max_tokens,
+        draft_max: a.model.draft_max(),
     };
     let bar = ProgressBar::new(0);
     bar.set_style(

@@ -39,6 +39,8 @@ pub struct BatchConfig {
     pub max_batch: usize,
     pub model_name: String,
     pub default_max_tokens: usize,
+    /// Drafts each request verifies per step by prompt lookup (0: none).
+    pub draft_max: usize,
 }
 
 /// Progress of a batch run, for a progress bar.
@@ -252,14 +254,14 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
         default_max_tokens: cfg.default_max_tokens,
         model_name: cfg.model_name.clone(),
         keep_alive_s: 15,
-        draft_max: 0,
+        draft_max: cfg.draft_max,
         draft_gate: true,
         max_batch,
         reasoning_in_content: false,
     };
     let model = Arc::new(model);
     let state = AppState::new(server);
-    let queue = crate::worker::start(model.clone(), state.cfg.max_queue, max_batch, 0, state.metrics.clone());
+    let queue = crate::worker::start(model.clone(), state.cfg.max_queue, max_batch, cfg.draft_max, state.metrics.clone());
     let _ = state.ready.set(Ready { model, queue, grammars: Arc::default() });
     let metrics = state.metrics.clone();
     let app = router(state);
