@@ -7,6 +7,7 @@
 
 mod ab;
 mod batch;
+mod batch_drafts;
 mod capped;
 mod device;
 mod engine_runs;
@@ -38,6 +39,8 @@ pub enum Which {
     Spec,
     /// Many sequences per expert read: lockstep decoding at several N, prompt scoring.
     Batch,
+    /// Drafts inside a lockstep batch, on the tiny trained K3: with and without.
+    BatchDrafts,
     /// A stream store against a loopback hub over a rate-limited link.
     Stream,
     /// The real K3's full layout (sparse): startup phases and the plan's projection.
@@ -366,6 +369,9 @@ pub fn run(
     if matches!(which, Which::Batch | Which::All) {
         std::fs::write(bench_dir.join("batch.md"), batch::run(&store, budget, vocab, quick)?)?;
     }
+    if matches!(which, Which::BatchDrafts | Which::All) {
+        std::fs::write(bench_dir.join("batch-drafts.md"), batch_drafts::run(quick)?)?;
+    }
     if matches!(which, Which::Stream | Which::All) {
         let (ckpt, full) = ensure_model("slice-mini")?;
         std::fs::write(bench_dir.join("stream.md"), stream::run(&ckpt, &full, &root().join("models"), 8192, quick)?)?;
@@ -474,6 +480,7 @@ pub fn run(
         "spec",
         "trained",
         "batch",
+        "batch-drafts",
         "stream",
         "k3",
         "kernels",
@@ -482,6 +489,7 @@ pub fn run(
         "ab",
         "ab-slice",
         "tokenizer",
+        "grammar",
         "gpu",
     ] {
         if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
