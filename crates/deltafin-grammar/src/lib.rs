@@ -120,6 +120,27 @@ impl Grammars {
         self.compile(format!("start: {}\n{}\n", names.join(" | "), rules.join("\n")))
     }
 
+    /// A free turn with `tools` declared (`tool_choice: auto`; the prompt opened `think`): any
+    /// reasoning and reply text, then any number of calls, each naming a declared tool with
+    /// arguments its `parameters` schema accepts, then the message closed.
+    pub fn tool_turn(&self, tools: &[Tool<'_>]) -> Result<Constraint, Error> {
+        let tail = "<|close|> \"tool_call\" <|sep|>";
+        let mut rules = vec![];
+        for (i, t) in tools.iter().enumerate() {
+            let head = lark_string(&format!("tool_call name=\"{}\"", deltafin_core::attr_value(t.name)));
+            rules.push(format!("call{i}: <|open|> {head} <|sep|> %json {} {tail}", compact(t.parameters)?));
+        }
+        if rules.is_empty() {
+            return Err(Error::Schema("no tool is declared".into()));
+        }
+        let calls: Vec<String> = (0..rules.len()).map(|i| format!("call{i}")).collect();
+        self.compile(format!(
+            "start: TEXT <|close|> \"think\" <|sep|> <|open|> \"response\" <|sep|> TEXT <|close|> \"response\" <|sep|> call* <|close|> \"message\" <|sep|>\ncall: {}\n{}\nTEXT: /(.|\\n)*/\n",
+            calls.join(" | "),
+            rules.join("\n")
+        ))
+    }
+
     fn compile(&self, lark: String) -> Result<Constraint, Error> {
         let parser = self.factory.create_parser(TopLevelGrammar::from_lark(lark)).map_err(|e| Error::Schema(e.to_string()))?;
         let matcher = Matcher::new(Ok(parser));

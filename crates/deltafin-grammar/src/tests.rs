@@ -128,3 +128,59 @@ fn a_required_call_names_a_declared_tool_and_its_arguments_fit_its_schema() {
     assert!(args["a"].is_i64() && args["b"].is_i64(), "{args}");
     assert!(g.tool_call(&tools, Some("nope")).is_err());
 }
+
+#[test]
+fn a_free_turn_with_tools_keeps_its_text_and_constrains_every_call() {
+    let tok = tokenizer();
+    let g = Grammars::new(tok.clone()).unwrap();
+    let add = serde_json::json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"], "additionalProperties": false});
+    let tools = [Tool { name: "add", parameters: Some(&add) }];
+    let (open, close, sep, end) = (
+        tok.special("<|open|>").unwrap(),
+        tok.special("<|close|>").unwrap(),
+        tok.special("<|sep|>").unwrap(),
+        tok.special("<|end_of_msg|>").unwrap(),
+    );
+    let c = g.tool_turn(&tools).unwrap();
+    // Text the grammar must let through as the model writes it: reasoning, a reply, one call.
+    let mut script = tok.encode_ordinary("Let me think.\nAdding.");
+    script.push(close);
+    script.extend(tok.encode_ordinary("think"));
+    script.extend([sep, open]);
+    script.extend(tok.encode_ordinary("response"));
+    script.push(sep);
+    script.extend(tok.encode_ordinary("Calling add."));
+    script.push(close);
+    script.extend(tok.encode_ordinary("response"));
+    script.extend([sep, open]);
+    script.extend(tok.encode_ordinary("tool_call name=\"add\""));
+    script.push(sep);
+    let args_at = script.len();
+    script.extend(tok.encode_ordinary("{\"a\":7}"));
+    script.push(close);
+    script.extend(tok.encode_ordinary("tool_call"));
+    script.extend([sep, close]);
+    script.extend(tok.encode_ordinary("message"));
+    script.extend([sep, end]);
+    let vocab = tok.vocab_len();
+    let opts = deltafin_sched::GenerateOptions::new(script.len()).constraint(Some(c));
+    for (p, &id) in script.iter().enumerate() {
+        let logits: Vec<f32> = (0..vocab).map(|i| if i == id as usize { 1.0 } else { 0.0 }).collect();
+        assert_eq!(opts.next_token(&logits, p).unwrap(), id, "token {p} of the script is allowed");
+    }
+    // Arguments the schema refuses are not allowed: after `{"a":`, only a digit 0-9 may follow.
+    let c = g.tool_turn(&tools).unwrap();
+    let opts = deltafin_sched::GenerateOptions::new(999).constraint(Some(c));
+    let args_prefix = tok.encode_ordinary("{\"a\":");
+    let pos = script[..args_at].iter().chain(&args_prefix).enumerate().map(|(p, &id)| {
+        let logits: Vec<f32> = (0..vocab).map(|i| if i == id as usize { 1.0 } else { 0.0 }).collect();
+        assert_eq!(opts.next_token(&logits, p).unwrap(), id);
+        p
+    });
+    let next = pos.last().unwrap() + 1;
+    let want = tok.encode_ordinary("x")[0];
+    let logits: Vec<f32> = (0..vocab).map(|i| if i == want as usize { 5.0 } else { 0.0 }).collect();
+    let got = opts.next_token(&logits, next).unwrap();
+    assert!(tok.decode(&[got]).starts_with(|c: char| c.is_ascii_digit()), "{:?} after {{\"a\": is not a digit", tok.decode(&[got]));
+}

@@ -39,8 +39,9 @@ pub(crate) fn loggable(text: &str) -> String {
 }
 
 /// The grammar a request's reply must follow, compiled (the model's vocabulary is compiled once,
-/// on the first such request): a `response_format`'s JSON, or a required call's arguments as
-/// its tool's `parameters` schema allows. A schema llguidance cannot handle is a 400 naming the
+/// on the first such request): a `response_format`'s JSON, or, with tools declared, every call's
+/// arguments as its tool's `parameters` schema allows (a required call at once; with `auto`,
+/// after the model's own reasoning and reply text). A schema llguidance cannot handle is a 400 naming the
 /// field and the part.
 pub(crate) fn constraint(
     model: &LoadedModel,
@@ -48,7 +49,7 @@ pub(crate) fn constraint(
     req: &Request,
 ) -> Result<Option<deltafin::Constraint>, ApiError> {
     let tools = match &req.prompt {
-        Prompt::Chat { tools: Some(t), .. } if t.choice != deltafin::ToolTurn::Free => Some(t),
+        Prompt::Chat { tools: Some(t), .. } => Some(t),
         _ => None,
     };
     if req.response_format.is_none() && tools.is_none() {
@@ -73,13 +74,12 @@ pub(crate) fn constraint(
             Some(deltafin::GrammarTool { name: f.get("name")?.as_str()?, parameters: f.get("parameters") })
         })
         .collect();
-    let named = match &tools.choice {
-        deltafin::ToolTurn::Named(n) => Some(n.as_str()),
-        _ => None,
+    let compiled = match &tools.choice {
+        deltafin::ToolTurn::Named(n) => g.tool_call(&list, Some(n)),
+        deltafin::ToolTurn::Required => g.tool_call(&list, None),
+        _ => g.tool_turn(&list),
     };
-    g.tool_call(&list, named)
-        .map(Some)
-        .map_err(|e| ApiError::bad("tools", format!("a tool's `parameters` cannot be used to constrain its arguments: {e}")))
+    compiled.map(Some).map_err(|e| ApiError::bad("tools", format!("a tool's `parameters` cannot be used to constrain its arguments: {e}")))
 }
 
 /// A request's prompt ids, stop ids and tool-turn state, with `max_tokens` settled against the
