@@ -368,6 +368,7 @@ fn concurrent_scoring_stays_near_the_ram_budget() {
         assert_eq!(c.join().unwrap().unwrap(), 200);
     }
     let peak = peak_rss_bytes(s.child.id());
+    eprintln!("peak RSS {:.1} MB under an 80 MB budget", peak as f64 / 1e6);
     let log = std::fs::read_to_string(log.path()).unwrap();
     assert!(log.contains("prompt_tokens=28"), "the requests scored their prompts: {log}");
     // 80 MB of budget plus 12 MB for the program itself (its code and thread stacks: 7 MB measured).

@@ -104,7 +104,7 @@ impl Grammars {
     /// `tools` (unless named), writes the arguments, and closes the call and the message.
     pub fn tool_call(&self, tools: &[Tool<'_>], named: Option<&str>) -> Result<Constraint, Error> {
         let tail = "<|close|> \"tool_call\" <|sep|> <|close|> \"message\" <|sep|>";
-        let mut rules = vec![];
+        let (mut names, mut rules) = (vec![], vec![]);
         for (i, t) in tools.iter().enumerate() {
             let head = match named {
                 Some(n) if n == t.name => String::new(),
@@ -112,11 +112,11 @@ impl Grammars {
                 None => lark_string(&format!(" name=\"{}\"", deltafin_core::attr_value(t.name))),
             };
             rules.push(format!("call{i}: {head} <|sep|> %json {} {tail}", compact(t.parameters)?));
+            names.push(format!("call{i}"));
         }
         if rules.is_empty() {
             return Err(Error::Schema("no declared tool matches the required call".into()));
         }
-        let names: Vec<String> = rules.iter().map(|r| r.split(':').next().unwrap_or_default().to_string()).collect();
         self.compile(format!("start: {}\n{}\n", names.join(" | "), rules.join("\n")))
     }
 

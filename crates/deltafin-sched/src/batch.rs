@@ -44,8 +44,9 @@ pub type JobId = u64;
 #[derive(Clone, Debug)]
 pub struct BatchJob {
     pub prompt: Vec<u32>,
-    /// `max_new` (0: the prompt only), stop ids, a cancel flag, sampling, an output grammar
-    /// (`draft_max` only with [`Batcher::drafting`], and never with a grammar).
+    /// `max_new` (0: the prompt only), stop ids, a cancel flag, sampling, an output grammar.
+    /// Drafting is the batcher's ([`Batcher::drafting`]; never for a job with a grammar), not
+    /// these options' `draft_max`.
     pub opts: GenerateOptions,
     /// Hand over the logits of every prompt row ([`BatchEvent::PromptLogits`]).
     pub prompt_logits: bool,

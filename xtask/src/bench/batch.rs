@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::{ensure, Result};
-use deltafin_sched::{BatchEvent, BatchJob, Batcher, EngineBuilder, GenerateOptions};
+use deltafin_sched::{BatchEvent, BatchJob, BatchStats, Batcher, EngineBuilder, GenerateOptions};
 
 use super::engine_runs::spread;
 
@@ -22,12 +22,18 @@ const SCORING_CAP_MB: u64 = 200;
 /// sequences per step, each job's ids).
 fn lockstep(store: &Path, budget: u64, n: usize, new: usize, vocab: u32) -> Result<(f64, f64, f64, Vec<Vec<u32>>)> {
     let model = EngineBuilder::new(store).ram_budget(Some(budget)).max_sequences(n).context(64).open()?;
-    let mut b = Batcher::new(&model, n);
-    for i in 0..n {
-        let p = crate::oracle::prompt_ids(100 + i as u64, 8, vocab as u64);
+    let prompts = (0..n).map(|i| crate::oracle::prompt_ids(100 + i as u64, 8, vocab as u64)).collect();
+    let (stats, ids) = run_jobs(Batcher::new(&model, n), prompts, new)?;
+    Ok((stats.tok_s(), stats.bytes_per_token(), stats.sequences_per_step(), ids))
+}
+
+/// Runs one job per prompt (`new` tokens each) to the end on `b`: its stats and each job's ids;
+/// an error if any job failed.
+pub(super) fn run_jobs(mut b: Batcher<'_>, prompts: Vec<Vec<u32>>, new: usize) -> Result<(BatchStats, Vec<Vec<u32>>)> {
+    let mut ids = vec![Vec::new(); prompts.len()];
+    for p in prompts {
         b.submit(BatchJob::new(p, GenerateOptions::new(new)));
     }
-    let mut ids = vec![Vec::new(); n];
     let stats = b.run(&mut |e: BatchEvent<'_>| {
         if let BatchEvent::Token { job, step } = e {
             ids[job as usize].push(step.id);
@@ -35,7 +41,7 @@ fn lockstep(store: &Path, budget: u64, n: usize, new: usize, vocab: u32) -> Resu
         true
     });
     ensure!(stats.jobs_failed == 0, "a lockstep job failed");
-    Ok((stats.tok_s(), stats.bytes_per_token(), stats.sequences_per_step(), ids))
+    Ok((stats, ids))
 }
 
 /// Sequence slots and rows per step for batched scoring: the free slots' state holds the

@@ -7,7 +7,7 @@
 use std::fmt::Write as _;
 
 use anyhow::{ensure, Result};
-use deltafin_sched::{BatchEvent, BatchJob, BatchStats, Batcher, EngineBuilder, GenerateOptions};
+use deltafin_sched::{BatchStats, Batcher, EngineBuilder};
 
 use super::engine_runs::spread;
 
@@ -25,19 +25,8 @@ fn prompts(n: usize) -> Vec<String> {
 /// One lockstep run of `n` jobs: its stats and each job's ids.
 fn run_once(n: usize, new: usize, draft: usize) -> Result<(BatchStats, Vec<Vec<u32>>)> {
     let model = EngineBuilder::new(super::root().join("training/models/k3")).max_sequences(n).context(512).open()?;
-    let mut b = Batcher::new(&model, n).drafting(draft);
-    for p in prompts(n) {
-        b.submit(BatchJob::new(model.tokenizer().encode_ordinary(&p), GenerateOptions::new(new)));
-    }
-    let mut ids = vec![Vec::new(); n];
-    let stats = b.run(&mut |e: BatchEvent<'_>| {
-        if let BatchEvent::Token { job, step } = e {
-            ids[job as usize].push(step.id);
-        }
-        true
-    });
-    ensure!(stats.jobs_failed == 0, "a job failed");
-    Ok((stats, ids))
+    let ids = prompts(n).iter().map(|p| model.tokenizer().encode_ordinary(p)).collect();
+    super::batch::run_jobs(Batcher::new(&model, n).drafting(draft), ids, new)
 }
 
 pub fn run(quick: bool) -> Result<String> {

@@ -1,10 +1,11 @@
 //! The BPE vocabulary in three flat arrays: every token's bytes back to back, where each ends,
 //! and an open-addressing table of ids keyed by their bytes.
 //!
-//! Why not a `HashMap<Vec<u8>, u32>` plus a `Vec<Vec<u8>>`: K3's 163,840 ranks cost about 20 MB
-//! that way (two heap blocks and a table entry per token), more than a small model's whole expert
-//! cache under a tight `--ram-budget`; these arrays hold the same in about 4 MB and answer a
-//! lookup with one hash and, almost always, one byte comparison.
+//! Why not a `HashMap<Vec<u8>, u32>` plus a `Vec<Vec<u8>>`: that costs two heap blocks and a
+//! 32-byte table entry per token, several times the tokens' own bytes (K3 has 163,840), all of it
+//! out of a `--ram-budget`; these arrays cost the bytes plus 4 bytes per token and per slot
+//! (`Vocab::heap_bytes`), and answer a lookup with one hash and, almost always, one byte
+//! comparison.
 
 use std::hash::Hasher as _;
 
