@@ -14,204 +14,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
-/// Shape of a generated model.
-#[derive(Clone, Debug)]
-pub struct Preset {
-    pub name: &'static str,
-    pub hidden: usize,
-    pub layers: usize,
-    pub mla_layers: Vec<usize>,
-    pub block: usize,
-    pub kda_heads: usize,
-    pub kda_dim: usize,
-    pub mla_heads: usize,
-    pub q_lora: usize,
-    pub kv_lora: usize,
-    pub nope: usize,
-    pub rope: usize,
-    pub v_dim: usize,
-    pub experts: usize,
-    pub top_k: usize,
-    pub shared: usize,
-    pub moe_inter: usize,
-    pub latent: usize,
-    pub dense_inter: usize,
-    pub bpe_ranks: usize,
-    pub shard_bytes: u64,
-}
-
-impl Preset {
-    pub fn by_name(name: &str) -> Result<Preset> {
-        let tiny = Preset {
-            name: "tiny",
-            hidden: 64,
-            layers: 6,
-            mla_layers: vec![3, 6],
-            block: 2,
-            kda_heads: 2,
-            kda_dim: 32,
-            mla_heads: 2,
-            q_lora: 32,
-            kv_lora: 32,
-            nope: 16,
-            rope: 16,
-            v_dim: 16,
-            experts: 16,
-            top_k: 4,
-            shared: 1,
-            moe_inter: 64,
-            latent: 32,
-            dense_inter: 128,
-            bpe_ranks: 2048,
-            shard_bytes: 1 << 20,
-        };
-        Ok(match name {
-            "tiny" => tiny,
-            "small" => Preset {
-                name: "small",
-                hidden: 1024,
-                layers: 8,
-                mla_layers: vec![4, 8],
-                block: 4,
-                kda_heads: 8,
-                kda_dim: 64,
-                mla_heads: 8,
-                q_lora: 256,
-                kv_lora: 128,
-                nope: 64,
-                rope: 32,
-                v_dim: 64,
-                experts: 64,
-                top_k: 8,
-                shared: 2,
-                moe_inter: 512,
-                latent: 512,
-                dense_inter: 2048,
-                bpe_ranks: 16384,
-                shard_bytes: 100 << 20,
-            },
-            // Real K3 expert shape (17,547,264 bytes per expert), fewer layers and experts.
-            "slice" => Preset {
-                name: "slice",
-                hidden: 2048,
-                layers: 6,
-                mla_layers: vec![3, 6],
-                block: 3,
-                kda_heads: 8,
-                kda_dim: 128,
-                mla_heads: 8,
-                q_lora: 512,
-                kv_lora: 512,
-                nope: 128,
-                rope: 64,
-                v_dim: 128,
-                experts: 48,
-                top_k: 8,
-                shared: 1,
-                moe_inter: 3072,
-                latent: 3584,
-                dense_inter: 4096,
-                bpe_ranks: 16384,
-                shard_bytes: 1 << 30,
-            },
-            // `slice` whose router prefers some experts, as a trained router does: tokens share
-            // experts, so a verify of several rows reads fewer than rows x top-k experts (the
-            // speculation benchmark; random routers share almost none).
-            "slice-hot" => Preset { name: "slice-hot", ..Preset::by_name("slice")? },
-            // Real expert size, small enough to replicate on four emulated drives (drive ladder).
-            "slice-mini" => Preset {
-                name: "slice-mini",
-                hidden: 1024,
-                layers: 4,
-                mla_layers: vec![4],
-                block: 2,
-                kda_heads: 8,
-                kda_dim: 64,
-                mla_heads: 8,
-                q_lora: 256,
-                kv_lora: 256,
-                nope: 64,
-                rope: 32,
-                v_dim: 64,
-                experts: 16,
-                top_k: 4,
-                shared: 1,
-                moe_inter: 3072,
-                latent: 3584,
-                dense_inter: 2048,
-                bpe_ranks: 8192,
-                shard_bytes: 1 << 30,
-            },
-            // The real K3 (../shared/K3.md): 93 layers, 896 experts, 1.56 TB in 96 shards. Only
-            // ever written `--sparse`.
-            "k3" => Preset {
-                name: "k3",
-                hidden: 7168,
-                layers: 93,
-                mla_layers: (4..=92).step_by(4).chain([93]).collect(),
-                block: 12,
-                kda_heads: 96,
-                kda_dim: 128,
-                mla_heads: 96,
-                q_lora: 1536,
-                kv_lora: 512,
-                nope: 128,
-                rope: 64,
-                v_dim: 128,
-                experts: 896,
-                top_k: 16,
-                shared: 2,
-                moe_inter: 3072,
-                latent: 3584,
-                dense_inter: 33792,
-                bpe_ranks: 163_584,
-                shard_bytes: K3_BYTES.div_ceil(K3_SHARDS as u64),
-            },
-            other => bail!("unknown preset {other:?}: use tiny, rand, small, slice, slice-hot, slice-mini or k3"),
-        })
-    }
-
-    /// A tiny model whose every dimension and the layer schedule are drawn from `seed`
-    /// (`--preset rand`): exercises config-driven code paths the fixed presets do not.
-    pub fn random(seed: u64) -> Preset {
-        let mut r = Rng::for_tensor(seed, "preset");
-        let mut pick = |choices: &[usize]| choices[(r.next() % choices.len() as u64) as usize];
-        let layers = pick(&[4, 5, 6, 7]);
-        let mut mla_layers: Vec<usize> = (2..=layers).filter(|_| pick(&[0, 0, 1]) == 1).collect();
-        if mla_layers.is_empty() {
-            mla_layers.push(layers);
-        }
-        let nope = pick(&[16, 32]);
-        let experts = pick(&[8, 16, 24]);
-        Preset {
-            name: "rand",
-            hidden: pick(&[64, 96, 128]),
-            layers,
-            mla_layers,
-            block: pick(&[2, 3, 4]),
-            kda_heads: pick(&[1, 2, 3]),
-            kda_dim: pick(&[16, 32]),
-            mla_heads: pick(&[1, 2, 4]),
-            q_lora: pick(&[32, 48]),
-            kv_lora: pick(&[32, 64]),
-            nope,
-            rope: pick(&[8, 16]),
-            v_dim: pick(&[16, 24]),
-            experts,
-            top_k: pick(&[2, 4, 6]).min(experts),
-            shared: pick(&[0, 1, 2]),
-            moe_inter: pick(&[32, 64, 96]),
-            latent: pick(&[32, 64]),
-            dense_inter: pick(&[64, 160]),
-            bpe_ranks: 1024,
-            shard_bytes: 256 << 10,
-        }
-    }
-
-    fn kda_layers(&self) -> Vec<usize> {
-        (1..=self.layers).filter(|l| !self.mla_layers.contains(l)).collect()
-    }
-}
+mod presets;
+pub use presets::{IndexerShape, Preset, K31_INDEXER};
 
 fn config_json(p: &Preset) -> Value {
     let n = p.bpe_ranks;
@@ -223,7 +27,7 @@ fn config_json(p: &Preset) -> Value {
         "bos_token_id": n,
         "dtype": "bfloat16",
         "eos_token_id": n + 2,
-        "first_k_dense_replace": 1,
+        "first_k_dense_replace": p.first_dense,
         "hidden_act": "situ",
         "hidden_size": p.hidden,
         "intermediate_size": p.dense_inter,
@@ -282,12 +86,28 @@ fn config_json(p: &Preset) -> Value {
         "v_head_dim": p.v_dim,
         "vocab_size": n + 256
     });
+    let mut text = text;
+    let (arch, model_type) = match p.indexer {
+        None => ("KimiK3ForConditionalGeneration", "kimi_k3"),
+        Some(ix) => {
+            text["dsa_config"] = json!({
+                "index_head_dim": ix.head_dim,
+                "index_k_norm_type": "layernorm",
+                "index_num_heads": ix.heads,
+                "index_rope_dim": 0,
+                "index_topk": ix.topk,
+                "indexer_use_fp8": false,
+                "layers": p.mla_layers,
+            });
+            ("KimiK31ForConditionalGeneration", "kimi_k31")
+        }
+    };
     json!({
-        "architectures": ["KimiK3ForConditionalGeneration"],
+        "architectures": [arch],
         "bos_token_id": n,
         "eos_token_id": n + 2,
         "pad_token_id": n + 255,
-        "model_type": "kimi_k3",
+        "model_type": model_type,
         "text_config": text,
         "tie_word_embeddings": false,
         "deltafin_generated": {"preset": p.name}
@@ -365,6 +185,9 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
             g.push(linear(format!("{a}.kv_b_proj.weight"), p.mla_heads * (p.nope + p.v_dim), p.kv_lora));
             g.push(linear(format!("{a}.o_proj.weight"), h, p.mla_heads * p.v_dim));
             g.push(linear(format!("{a}.g_proj.weight"), p.mla_heads * p.v_dim, h));
+            if let Some(ix) = p.indexer {
+                g.extend(indexer_specs(&format!("{a}.indexer"), ix, p));
+            }
         } else {
             for n in ["q", "k", "v"] {
                 g.push(linear(format!("{a}.{n}_proj.weight"), c, h));
@@ -394,7 +217,7 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
             });
             g.push(linear(format!("{a}.o_proj.weight"), h, c));
         }
-        if l == 0 {
+        if l < p.first_dense {
             for (n, o, i) in [("gate_proj", p.dense_inter, h), ("up_proj", p.dense_inter, h), ("down_proj", h, p.dense_inter)] {
                 g.push(linear(format!("{pre}.mlp.{n}.weight"), o, i));
             }
@@ -442,9 +265,12 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
         bf16(format!("{m}.output_attn_res_proj.weight"), vec![1, h], 1.0 / (h as f32).sqrt()),
         bf16("language_model.lm_head.weight".into(), vec![p.bpe_ranks + 256, h], 4.0 / (h as f32).sqrt()),
     ]);
-    if p.name == "k3" {
-        let have: u64 = groups.iter().flatten().map(Spec::bytes).sum();
-        let count: usize = groups.iter().map(Vec::len).sum();
+    if p.full_size() {
+        // K3's own byte and tensor counts, the vision tower filling what its text model leaves;
+        // K3.1's indexer comes on top.
+        let k3 = |s: &&Spec| !s.name.contains(".indexer.");
+        let have: u64 = groups.iter().flatten().filter(k3).map(Spec::bytes).sum();
+        let count: usize = groups.iter().flatten().filter(k3).count();
         groups.push(k3_vision_tower(K3_BYTES - have, K3_TENSORS - count));
         return groups;
     }
@@ -454,6 +280,18 @@ fn specs(p: &Preset) -> Vec<Vec<Spec>> {
         norm("mm_projector.post_norm.weight".into(), 32),
     ]);
     groups
+}
+
+/// K3.1's indexer tensors of one MLA layer (`self_attn.indexer.*`): BF16 throughout (the
+/// release's dtypes are not known; the loader also takes F32 norms).
+fn indexer_specs(pre: &str, ix: IndexerShape, p: &Preset) -> Vec<Spec> {
+    vec![
+        linear(format!("{pre}.wq_b.weight"), ix.heads * ix.head_dim, p.q_lora),
+        linear(format!("{pre}.wk.weight"), ix.head_dim, p.hidden),
+        linear(format!("{pre}.weights_proj.weight"), ix.heads, p.hidden),
+        norm(format!("{pre}.k_norm.weight"), ix.head_dim),
+        bf16(format!("{pre}.k_norm.bias"), vec![ix.head_dim], 0.1),
+    ]
 }
 
 /// The real K3's shard count, tensor count and tensor bytes (../shared/K3.md).
@@ -638,8 +476,8 @@ pub fn generate(preset: &str, seed: u64, out: &Path) -> Result<()> {
 /// files): the full K3 layout in seconds, costing the headers' disk space only.
 pub fn generate_with(preset: &str, seed: u64, out: &Path, sparse: bool) -> Result<()> {
     let p = if preset == "rand" { Preset::random(seed) } else { Preset::by_name(preset)? };
-    if p.name == "k3" && !sparse {
-        bail!("the k3 preset is 1.56 TB of weights: write it with --sparse (every weight zero, almost no disk)");
+    if p.full_size() && !sparse {
+        bail!("the {} preset is 1.56 TB of weights: write it with --sparse (every weight zero, almost no disk)", p.name);
     }
     let values = if sparse { Values::Sparse } else { Values::Seeded(seed) };
     write_release(&p, values, &o200k_prefix(p.bpe_ranks)?, out)
@@ -672,11 +510,11 @@ pub fn write_release(p: &Preset, values: Values<'_>, ranks: &str, out: &Path) ->
     let mut before = 0u64;
     for g in groups {
         let gb: u64 = g.iter().map(Spec::bytes).sum();
-        let full = match p.name {
+        let full = match p.full_size() {
             // A group goes to the shard its first byte falls in when the model is cut into 96
             // equal parts: exactly 96 shards, as in the release.
-            "k3" => (before as u128 * K3_SHARDS as u128 / all as u128) as usize >= shards.len(),
-            _ => size > 0 && size + gb > p.shard_bytes,
+            true => (before as u128 * K3_SHARDS as u128 / all as u128) as usize >= shards.len(),
+            false => size > 0 && size + gb > p.shard_bytes,
         };
         if full {
             shards.push(Vec::new());

@@ -115,6 +115,8 @@ pub fn trained_preset(shape: &Value) -> Result<Preset> {
         bpe_ranks: n("bpe_ranks")?,
         // Several shards, so a layer's experts span two of them as in the release.
         shard_bytes: 6 << 20,
+        first_dense: 1,
+        indexer: None,
     })
 }
 

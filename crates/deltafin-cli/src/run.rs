@@ -85,6 +85,12 @@ pub struct ModelArgs {
     /// activations); the rest are uploaded when used.
     #[arg(long, value_parser = crate::store_cmds::parse_size, help_heading = PERF)]
     pub gpu_memory: Option<u64>,
+    /// Kimi K3.1 only: how its sparse-attention indexer rounds the scores that choose each
+    /// query's 2048 keys. `f32` (default): the definition, in F32. `fp8`: vLLM's rounding (E4M3
+    /// query and key with power-of-two scales), to select what NVIDIA's and vLLM's servers
+    /// select. Identical below 2048 tokens of context; see the README.
+    #[arg(long, value_name = "f32|fp8", value_parser = ["f32", "fp8"])]
+    pub indexer: Option<String>,
 }
 
 impl ModelArgs {
@@ -120,7 +126,11 @@ impl ModelArgs {
         if let (Some(note), false) = (compute.note(), crate::say::quiet()) {
             eprintln!("{note}");
         }
-        let model = EngineBuilder::new(&self.model)
+        let mut builder = EngineBuilder::new(&self.model);
+        if let Some(r) = self.indexer.as_deref().and_then(deltafin::IndexerRounding::parse) {
+            builder = builder.indexer(r);
+        }
+        let model = builder
             .backend(compute.backend())
             .max_sequences(sequences)
             .kept_states(kept)
@@ -140,6 +150,9 @@ impl ModelArgs {
             .progress(std::sync::Arc::new(crate::store_cmds::Bars::new()))
             .open()
             .with_context(|| format!("opening model {}", self.model.display()))?;
+        if let (Some(note), false) = (model.indexer_note(), crate::say::quiet()) {
+            eprintln!("{note}");
+        }
         Ok((model, compute))
     }
 }

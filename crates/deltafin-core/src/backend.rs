@@ -19,13 +19,16 @@ use crate::tensor::Mat;
 use crate::weights::Bf16Matrix;
 
 /// One MLA head's query against the cache: the query in the latent space and its rotary part,
-/// the cached latents and rotary keys (`[keys][lora]`, `[keys][rope]`), and the score scale.
+/// the cached latents and rotary keys (`[keys][lora]`, `[keys][rope]`), which of those keys it
+/// attends to (ascending positions; `None`: all, K3's dense attention; K3.1's indexer chooses
+/// otherwise), and the score scale.
 #[derive(Clone, Copy, Debug)]
 pub struct MlaHead<'a> {
     pub q_lat: &'a [f32],
     pub q_pe: &'a [f32],
     pub latent: &'a [f32],
     pub k_pe: &'a [f32],
+    pub keys: Option<&'a [u32]>,
     pub scale: f32,
 }
 
@@ -50,7 +53,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32;
     /// One routed expert over latent rows `z`, from its stored MXFP4 bytes.
     fn expert_forward(&self, cfg: &K3Config, id: ExpertId, layout: &ExpertLayout, bytes: &[u8], z: &Mat) -> Result<Mat>;
-    /// One MLA head's attention over every cached key: scores `(q_lat . latent[j] + q_pe . k_pe[j])
+    /// One MLA head's attention over its keys (every cached key, or those `head.keys` lists):
+    /// scores `(q_lat . latent[j] + q_pe . k_pe[j])
     /// * scale` (two dots in the fixed order), a softmax in key order, the latent output
     /// `sum_j p[j] * latent[j]` accumulated in key order, then the head's values: one BF16 dot of
     /// that output with each row of `w_v` in `values`.
@@ -131,11 +135,14 @@ impl Backend for Cpu {
         crate::model::recurrent_step(self.isa, s, q, k, v, decay, beta, o)
     }
     fn mla_attend(&self, head: MlaHead<'_>, w_v: &Bf16Matrix, values: std::ops::Range<usize>) -> Vec<f32> {
-        let MlaHead { q_lat, q_pe, latent, k_pe, scale } = head;
+        let MlaHead { q_lat, q_pe, latent, k_pe, keys, scale } = head;
         let (lora, rope) = (q_lat.len(), q_pe.len());
-        let n_keys = latent.len() / lora;
+        let n_keys = keys.map_or(latent.len() / lora, <[u32]>::len);
+        // The i-th key attended to: a sparse list gives the same arithmetic over fewer keys.
+        let key = |i: usize| keys.map_or(i, |k| k[i] as usize);
         let mut scores: Vec<f32> = (0..n_keys)
-            .map(|j| {
+            .map(|i| {
+                let j = key(i);
                 let s =
                     dot_f32(self.isa, q_lat, &latent[j * lora..(j + 1) * lora]) + dot_f32(self.isa, q_pe, &k_pe[j * rope..(j + 1) * rope]);
                 s * scale
@@ -143,7 +150,8 @@ impl Backend for Cpu {
             .collect();
         softmax_in_place(&mut scores);
         let mut o_lat = vec![0f32; lora];
-        for (j, p) in scores.iter().enumerate() {
+        for (i, p) in scores.iter().enumerate() {
+            let j = key(i);
             for (o, l) in o_lat.iter_mut().zip(&latent[j * lora..(j + 1) * lora]) {
                 *o += p * l;
             }

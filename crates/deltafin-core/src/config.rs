@@ -9,6 +9,9 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 
+mod indexer;
+pub use indexer::{IndexerConfig, IndexerRounding};
+
 /// The attention kind of one layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionKind {
@@ -67,6 +70,8 @@ pub struct K3Config {
     pub renormalize: bool,
     /// MXFP4 group size (columns per E8M0 scale).
     pub group_size: usize,
+    /// Kimi K3.1's sparse-attention indexer on every MLA layer (`None`: K3, dense MLA).
+    pub indexer: Option<IndexerConfig>,
     // special tokens
     pub bos_token_id: u32,
     pub eos_token_id: u32,
@@ -98,20 +103,30 @@ impl ExpertShape {
 }
 
 impl K3Config {
-    /// Parses `config.json` text (the root `kimi_k3` object, or a bare `kimi_linear` text config).
+    /// Parses `config.json` text (the root `kimi_k3` or `kimi_k31` object, or a bare
+    /// `kimi_linear` text config). K3.1 (`kimi_k31`) must carry `text_config.dsa_config`; K3
+    /// must not.
     pub fn from_json(text: &str) -> Result<K3Config> {
         let root: Value = serde_json::from_str(text).map_err(|e| Error::Json(e.to_string()))?;
         let root_fields = Fields { v: &root, path: String::new() };
         let model_type = root_fields.str("model_type")?;
-        let tc = match model_type.as_str() {
-            "kimi_k3" => root_fields.obj("text_config")?,
-            "kimi_linear" => root_fields.clone(),
-            other => return Err(unsupported("model_type", other, "expected `kimi_k3` or `kimi_linear`")),
+        let (tc, k31) = match model_type.as_str() {
+            "kimi_k3" => (root_fields.obj("text_config")?, false),
+            "kimi_k31" => (root_fields.obj("text_config")?, true),
+            "kimi_linear" => (root_fields.clone(), root_fields.opt("dsa_config").is_some()),
+            other => return Err(unsupported("model_type", other, "expected `kimi_k3`, `kimi_k31` or `kimi_linear`")),
         };
-        Self::from_text_config(&tc, &root_fields)
+        if !k31 && tc.opt("dsa_config").is_some() {
+            return Err(unsupported(
+                &tc.name("dsa_config"),
+                "(present)",
+                "a sparse-attention indexer belongs to Kimi K3.1: model_type `kimi_k31`",
+            ));
+        }
+        Self::from_text_config(&tc, &root_fields, k31)
     }
 
-    fn from_text_config(tc: &Fields<'_>, root: &Fields<'_>) -> Result<K3Config> {
+    fn from_text_config(tc: &Fields<'_>, root: &Fields<'_>, k31: bool) -> Result<K3Config> {
         expect_str(tc, "hidden_act", "situ")?;
         expect_str(tc, "moe_router_activation_func", "sigmoid")?;
         expect_str(tc, "topk_method", "noaux_tc")?;
@@ -201,12 +216,14 @@ impl K3Config {
                 ));
             }
         }
+        let rms_norm_eps = tc.f32("rms_norm_eps")?;
+        let indexer = if k31 { Some(indexer::parse(tc, &full, rms_norm_eps)?) } else { None };
         let cfg = K3Config {
             hidden_size,
             num_layers,
             vocab_size: tc.usize("vocab_size")?,
             intermediate_size: tc.usize("intermediate_size")?,
-            rms_norm_eps: tc.f32("rms_norm_eps")?,
+            rms_norm_eps,
             situ_beta: tc.f32("activation_situ_beta")?,
             situ_linear_beta: tc.f32("activation_situ_linear_beta")?,
             attn_res_block_size: tc.usize("attn_res_block_size")?,
@@ -233,6 +250,7 @@ impl K3Config {
             routed_scaling_factor: tc.f32("routed_scaling_factor")?,
             renormalize: tc.bool_or("moe_renormalize", true)?,
             group_size,
+            indexer,
             bos_token_id: root.u32_or_inner("bos_token_id", tc)?,
             eos_token_id: root.u32_or_inner("eos_token_id", tc)?,
             pad_token_id: root.u32_or_inner("pad_token_id", tc)?,

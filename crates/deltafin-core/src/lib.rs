@@ -30,7 +30,7 @@ mod weights;
 pub use crate::{
     backend::{Backend, Cpu, ExpertId, MlaHead},
     chat::{attr_of, attr_value, ChatFormat, Message, Role, ToolCall, ToolTurn},
-    config::{AttentionKind, ExpertShape, K3Config, MlpKind},
+    config::{AttentionKind, ExpertShape, IndexerConfig, IndexerRounding, K3Config, MlpKind},
     error::{Error, Result},
     kernels::{
         dot_bf16, dot_bf16_inputs, dot_bf16_rows, dot_bf16_rows_side_by_side, dot_f32, dot_mxfp4, dot_mxfp4_inputs, e2m1_value, e8m0_scale,
@@ -40,7 +40,8 @@ pub use crate::{
     },
     math::{argmax, exp, rms_norm_in_place, situ, softmax_in_place, TRANSCENDENTAL_CONSTANTS},
     model::{
-        chunked_delta_rule, expert_forward, expert_row_chunks, EmbedRows, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine,
+        chunked_delta_rule, expert_forward, expert_row_chunks, index_score, prepare_index_query, quantize_e4m3, round_index_key,
+        round_to_bf16, round_to_e4m3, top_keys, ue8m0_scale, EmbedRows, ExpertLayout, KdaState, LayerState, MlaCache, Model, MoeCombine,
         Recording, Residual, Route, LM_PREFIX,
     },
     reply::{Part as ReplyPart, ReplySplitter, ToolEvent},

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use deltafin_core::{Backend, ChatFormat, Cpu, K3Config, Model, Tokenizer, K3_PATTERN};
+use deltafin_core::{Backend, ChatFormat, Cpu, IndexerRounding, K3Config, Model, Tokenizer, K3_PATTERN};
 use deltafin_spec::Drafter;
 use deltafin_store::{
     CacheMode, CachePolicy, Checkpoint, Error as StoreError, ExpertSource, MappedExperts, ReaderOptions, Store, StreamingExperts,
@@ -44,6 +44,7 @@ pub struct EngineBuilder {
     progress: ProgressSink,
     background_fill: bool,
     verified_only: bool,
+    indexer: Option<IndexerRounding>,
 }
 
 /// Where long work at open reports (opaque in `Debug`).
@@ -96,7 +97,31 @@ impl EngineBuilder {
             progress: ProgressSink(Arc::new(deltafin_store::NoProgress)),
             background_fill: false,
             verified_only: false,
+            indexer: None,
         }
+    }
+
+    /// How a Kimi K3.1 model's sparse-attention indexer rounds its scores (default
+    /// [`IndexerRounding::F32`], the definition). Asking for `Fp8` of a model without an
+    /// indexer (K3) is an error at open.
+    pub fn indexer(mut self, rounding: IndexerRounding) -> Self {
+        self.indexer = Some(rounding);
+        self
+    }
+
+    /// `cfg` with the indexer rounding asked for.
+    fn model_config(&self, cfg: &K3Config) -> Result<K3Config> {
+        let mut cfg = cfg.clone();
+        match (&mut cfg.indexer, self.indexer) {
+            (Some(ix), Some(r)) => ix.rounding = r,
+            (None, Some(IndexerRounding::Fp8)) => {
+                return Err(crate::Error::Invalid(
+                    "--indexer fp8 applies to Kimi K3.1 (model_type kimi_k31) only: this model has no sparse-attention indexer".into(),
+                ))
+            }
+            _ => {}
+        }
+        Ok(cfg)
     }
     /// With a stream store: compute only with bytes the hub's SHA-256 has covered. Opening checks
     /// every large shard not checked yet, fetching what is not cached (and repairing what was
@@ -245,8 +270,9 @@ impl EngineBuilder {
         let (ranks, tok_config) = ckpt.tokenizer_texts()?;
         let tokenizer = Arc::new(Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?);
         let drafting = self.draft.as_ref().map(|w| Drafting::open(w, &self.path, &tokenizer, self.compute())).transpose()?;
-        let model = Model::load_with(ckpt.config().clone(), ckpt.as_ref(), self.compute())?;
-        let kept_bytes = self.kept_bytes(ckpt.config());
+        let cfg = self.model_config(ckpt.config())?;
+        let model = Model::load_with(cfg.clone(), ckpt.as_ref(), self.compute())?;
+        let kept_bytes = self.kept_bytes(&cfg);
         let experts: Arc<dyn ExpertSource> = Arc::new(MappedExperts::new(ckpt.clone())?);
         self.options.prefill_chunk = self.options.prefill_chunk.filter(|&c| c > 0);
         Ok(LoadedModel {
@@ -266,7 +292,7 @@ impl EngineBuilder {
         if self.verified_only {
             store.verify_streamed(self.progress.0.as_ref())?;
         }
-        let cfg = store.config().clone();
+        let cfg = self.model_config(store.config())?;
         // The tokenizer and the draft model first: the draft's memory comes out of the budget.
         let (ranks, tok_config) = store.tokenizer_texts()?;
         let tokenizer = Arc::new(Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?);
@@ -427,6 +453,21 @@ impl LoadedModel {
     /// The context limit of its sequences.
     pub fn context(&self) -> usize {
         self.context
+    }
+    /// For a Kimi K3.1 model, one line saying how its sparse attention runs (printed at start);
+    /// `None` for K3.
+    pub fn indexer_note(&self) -> Option<String> {
+        let ix = self.engine.model().config().indexer.as_ref()?;
+        let mut note = format!(
+            "Kimi K3.1: each query attends to its {} highest-scoring keys once the context passes {} tokens (dense below); indexer scores in {}",
+            ix.topk,
+            ix.topk,
+            ix.rounding.name()
+        );
+        if ix.checkpoint_fp8 && ix.rounding == IndexerRounding::F32 {
+            note.push_str(" (the checkpoint sets indexer_use_fp8: --indexer fp8 selects as vLLM does)");
+        }
+        Some(note)
     }
     /// Sequences that may hold state at once ([`EngineBuilder::max_sequences`]).
     pub fn max_sequences(&self) -> usize {

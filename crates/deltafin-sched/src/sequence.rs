@@ -53,6 +53,26 @@ impl Sequence {
     pub fn layer_states(&self) -> &[LayerState] {
         &self.layers
     }
+    /// From now on, record which cached keys each query of each MLA layer attends to (a
+    /// diagnostic of Kimi K3.1's sparse attention: [`Sequence::attended_keys`]).
+    pub fn trace_attended_keys(&mut self) {
+        for l in &mut self.layers {
+            if let LayerState::Mla(c) = l {
+                c.trace.get_or_insert_with(Vec::new);
+            }
+        }
+    }
+    /// Per MLA layer, in layer order: per query run since [`Sequence::trace_attended_keys`], the
+    /// key positions it attended to (all positions up to its own where attention was dense).
+    pub fn attended_keys(&self) -> Vec<Vec<Vec<u32>>> {
+        self.layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerState::Mla(c) => Some(c.trace.clone().unwrap_or_default()),
+                LayerState::Kda(_) => None,
+            })
+            .collect()
+    }
     /// Bytes of state held now.
     pub fn bytes(&self, cfg: &K3Config) -> usize {
         self.layers.iter().map(|l| l.bytes(cfg)).sum()

@@ -39,8 +39,8 @@ pub use compute::{BackendChoice, Compute, GpuStats};
 /// Errors of model math and tokenizing (what [`ChatFormat`] and [`Tokenizer`] return).
 pub use deltafin_core::Error as CoreError;
 pub use deltafin_core::{
-    reserved_token_name, Backend, ChatFormat, Cpu, Isa, IsaKind, Mat, Message, ReplyPart, ReplySplitter, Role, StreamDecoder, Tokenizer,
-    ToolCall, ToolEvent, ToolTurn, RESERVED,
+    reserved_token_name, Backend, ChatFormat, Cpu, IndexerRounding, Isa, IsaKind, Mat, Message, ReplyPart, ReplySplitter, Role,
+    StreamDecoder, Tokenizer, ToolCall, ToolEvent, ToolTurn, RESERVED,
 };
 pub use deltafin_grammar::{Error as GrammarError, Grammars, Tool as GrammarTool};
 pub use deltafin_sched::{

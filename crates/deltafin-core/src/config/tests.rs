@@ -81,3 +81,45 @@ fn a_layer_in_neither_list_is_an_error() {
     let t = edit(|v| v["text_config"]["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2, 3, 5, 6, 7]));
     assert!(err(&t).contains("missing 9"), "{}", err(&t));
 }
+
+/// The fixture as Kimi K3.1: `kimi_k31` with an indexer on its MLA layers (1-based 4, 8, 10).
+fn k31(f: impl FnOnce(&mut Value)) -> String {
+    edit(|v| {
+        v["model_type"] = "kimi_k31".into();
+        v["text_config"]["dsa_config"] = serde_json::json!({
+            "layers": [4, 8, 10], "index_topk": 16, "index_num_heads": 4, "index_head_dim": 16,
+            "index_rope_dim": 0, "index_k_norm_type": "layernorm", "indexer_use_fp8": true
+        });
+        f(v)
+    })
+}
+
+#[test]
+fn k31_configs_parse_their_indexer() {
+    let c = K3Config::from_json(&k31(|_| {})).unwrap();
+    let ix = c.indexer.as_ref().unwrap();
+    assert_eq!((ix.topk, ix.heads, ix.head_dim, ix.checkpoint_fp8), (16, 4, 16, true));
+    assert_eq!(ix.rounding, IndexerRounding::F32, "the checkpoint's flag never picks the rounding");
+    assert_eq!(ix.k_norm_eps, c.rms_norm_eps);
+    assert!(K3Config::from_json(FIXTURE).unwrap().indexer.is_none());
+    // Other spellings of a LayerNorm are one.
+    assert!(K3Config::from_json(&k31(|v| v["text_config"]["dsa_config"]["index_k_norm_type"] = "LayerNorm".into())).is_ok());
+}
+
+#[test]
+fn k31_fields_the_engine_does_not_implement_are_refused_by_name() {
+    type Edit = Box<dyn FnOnce(&mut Value)>;
+    let cases: Vec<(Edit, &str)> = vec![
+        (Box::new(|v| v["text_config"]["dsa_config"]["index_rope_dim"] = 64.into()), "text_config.dsa_config.index_rope_dim"),
+        (Box::new(|v| v["text_config"]["dsa_config"]["index_k_norm_type"] = "rmsnorm".into()), "text_config.dsa_config.index_k_norm_type"),
+        (Box::new(|v| v["text_config"]["dsa_config"]["layers"] = serde_json::json!([4, 8])), "text_config.dsa_config.layers"),
+        (Box::new(|v| v["text_config"]["dsa_config"]["index_block_size"] = 64.into()), "text_config.dsa_config.index_block_size"),
+        (Box::new(|v| v["text_config"]["dsa_config"]["index_topk"] = 0.into()), "text_config.dsa_config.index_topk"),
+        (Box::new(|v| v["text_config"].as_object_mut().unwrap().remove("dsa_config").map(|_| ()).unwrap()), "text_config.dsa_config"),
+        (Box::new(|v| v["model_type"] = "kimi_k3".into()), "text_config.dsa_config"),
+    ];
+    for (f, field) in cases {
+        let e = err(&k31(f));
+        assert!(e.contains(field), "{field}: {e}");
+    }
+}

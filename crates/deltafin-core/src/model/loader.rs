@@ -24,6 +24,13 @@ impl<'a> Loader<'a> {
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         Ok(self.src.tensor(&format!("{}{name}", self.prefix))?.expect(DType::Bf16, &[len])?.to_f32_vec())
     }
+    /// A vector stored as BF16 or F32, widened to F32 (a dtype the release has not been seen to
+    /// fix: K3.1's indexer norm).
+    pub fn vector_bf16_or_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let t = self.src.tensor(&format!("{}{name}", self.prefix))?;
+        let dtype = if t.dtype == DType::F32 { DType::F32 } else { DType::Bf16 };
+        Ok(t.expect(dtype, &[len])?.to_f32_vec())
+    }
     /// An F32 tensor of exactly this shape.
     pub fn f32_tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         Ok(self.src.tensor(&format!("{}{name}", self.prefix))?.expect(DType::F32, shape)?.to_f32_vec())

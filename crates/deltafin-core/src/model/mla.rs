@@ -8,6 +8,7 @@
 
 use rayon::prelude::*;
 
+use super::indexer::IndexerWeights;
 use super::loader::Loader;
 use crate::backend::{Backend, MlaHead};
 use crate::config::K3Config;
@@ -29,9 +30,12 @@ pub(crate) struct MlaWeights {
     kv_b: Bf16Matrix,
     o_proj: Bf16Matrix,
     g_proj: Option<Bf16Matrix>,
+    /// Kimi K3.1's sparse-attention indexer (`None`: K3's dense attention).
+    indexer: Option<IndexerWeights>,
 }
 
-/// The MLA cache of one layer: normalized latents and `k_pe` for every past token.
+/// The MLA cache of one layer: normalized latents and `k_pe` for every past token, and K3.1's
+/// indexer keys.
 #[derive(Clone, Debug)]
 pub struct MlaCache {
     /// `[len][kv_lora_rank]`.
@@ -44,19 +48,39 @@ pub struct MlaCache {
     pub limit: usize,
     /// Tokens the last forward appended (for rewinding it).
     pub last_forward: usize,
+    /// K3.1: `[len][index_head_dim]` indexer keys (E4M3 values in `fp8` mode); empty for K3.
+    pub index_keys: Vec<f32>,
+    /// K3.1 in `fp8` mode: each cached indexer key's scale.
+    pub index_scales: Vec<f32>,
+    /// When set, every query's attended key positions are appended here (a diagnostic: which
+    /// keys K3.1's sparse attention read).
+    pub trace: Option<Vec<Vec<u32>>>,
 }
 
 impl PartialEq for MlaCache {
     /// Caches are equal when their tokens' numbers are (`last_forward` is bookkeeping).
     fn eq(&self, other: &Self) -> bool {
-        self.len == other.len && self.latent == other.latent && self.k_pe == other.k_pe
+        self.len == other.len
+            && self.latent == other.latent
+            && self.k_pe == other.k_pe
+            && self.index_keys == other.index_keys
+            && self.index_scales == other.index_scales
     }
 }
 
 impl MlaCache {
     /// An empty cache holding at most `limit` tokens.
     pub fn new(limit: usize) -> MlaCache {
-        MlaCache { latent: Vec::new(), k_pe: Vec::new(), len: 0, limit, last_forward: 0 }
+        MlaCache {
+            latent: Vec::new(),
+            k_pe: Vec::new(),
+            len: 0,
+            limit,
+            last_forward: 0,
+            index_keys: Vec::new(),
+            index_scales: Vec::new(),
+            trace: None,
+        }
     }
     /// An empty cache with room reserved for `limit` tokens of `cfg` (address space only: pages
     /// are touched as tokens arrive), so appending never moves the cache.
@@ -67,17 +91,24 @@ impl MlaCache {
             len: 0,
             limit,
             last_forward: 0,
+            index_keys: Vec::with_capacity(limit * cfg.indexer.as_ref().map_or(0, |ix| ix.head_dim)),
+            index_scales: Vec::new(),
+            trace: None,
         }
     }
-    /// Bytes per cached token.
+    /// Bytes per cached token (the indexer key included).
     pub fn bytes_per_token(cfg: &K3Config) -> usize {
-        4 * (cfg.kv_lora_rank + cfg.qk_rope_dim)
+        4 * (cfg.kv_lora_rank + cfg.qk_rope_dim) + cfg.indexer.as_ref().map_or(0, |ix| ix.key_bytes())
     }
     /// Drops every token after the first `len` (rollback of a speculative forward).
     pub fn truncate(&mut self, cfg: &K3Config, len: usize) {
         if len < self.len {
             self.latent.truncate(len * cfg.kv_lora_rank);
             self.k_pe.truncate(len * cfg.qk_rope_dim);
+            if let Some(ix) = &cfg.indexer {
+                self.index_keys.truncate(len * ix.head_dim);
+                self.index_scales.truncate(len.min(self.index_scales.len()));
+            }
             self.len = len;
         }
     }
@@ -95,6 +126,10 @@ impl MlaWeights {
             kv_b: l.matrix("kv_b_proj.weight", n * (cfg.qk_nope_dim + cfg.v_head_dim), cfg.kv_lora_rank)?,
             o_proj: l.matrix("o_proj.weight", h, n * cfg.v_head_dim)?,
             g_proj: if cfg.mla_output_gate { Some(l.matrix("g_proj.weight", n * cfg.v_head_dim, h)?) } else { None },
+            indexer: match &cfg.indexer {
+                Some(ix) => Some(IndexerWeights::load(cfg, ix, &l.sub("indexer."))?),
+                None => None,
+            },
         })
     }
 
@@ -108,7 +143,8 @@ impl MlaWeights {
                 cache.limit, t_len, cache.len
             )));
         }
-        let q = be.matmul_bf16(&be.rms_norm_rows(&be.matmul_bf16(x, &self.q_a), &self.q_a_norm, LORA_NORM_EPS), &self.q_b);
+        let qr = be.rms_norm_rows(&be.matmul_bf16(x, &self.q_a), &self.q_a_norm, LORA_NORM_EPS);
+        let q = be.matmul_bf16(&qr, &self.q_b);
         let kv = be.matmul_bf16(x, &self.kv_a);
         for t in 0..t_len {
             let row = kv.row(t);
@@ -120,6 +156,7 @@ impl MlaWeights {
         let past = cache.len;
         cache.len += t_len;
         cache.last_forward = t_len;
+        let selected = self.select_keys(cfg, be, x, &qr, past, cache);
         let scale = crate::math::inv_sqrt_of(nope + rope);
         let per_head = nope + vd;
         let cache_ref = &*cache;
@@ -148,6 +185,7 @@ impl MlaWeights {
                     q_pe,
                     latent: &cache_ref.latent[..n_keys * lora],
                     k_pe: &cache_ref.k_pe[..n_keys * rope],
+                    keys: selected[t].as_deref(),
                     scale,
                 };
                 be.mla_attend(head, &self.kv_b, values)
@@ -165,5 +203,28 @@ impl MlaWeights {
             }
         }
         Ok(be.matmul_bf16(&attn, &self.o_proj))
+    }
+
+    /// K3.1: appends the new rows' indexer keys to `cache` (whose `len` already counts them,
+    /// `past` before them) and returns, per new row, the key positions it attends to: `None`
+    /// (every key, K3's dense attention) while the row sees at most `index_topk` keys.
+    fn select_keys(&self, cfg: &K3Config, be: &dyn Backend, x: &Mat, qr: &Mat, past: usize, cache: &mut MlaCache) -> Vec<Option<Vec<u32>>> {
+        let t_len = x.rows;
+        let mut selected = vec![None; t_len];
+        if let (Some(ix), Some(w)) = (&cfg.indexer, &self.indexer) {
+            w.append_keys(ix, be, x, cache);
+            if past + t_len > ix.topk {
+                let queries = w.queries(ix, be, qr, x);
+                for (t, sel) in selected.iter_mut().enumerate().filter(|(t, _)| past + t + 1 > ix.topk) {
+                    *sel = Some(super::indexer::top_keys(&queries.scores(ix, be, t, cache, past + t + 1), ix.topk));
+                }
+            }
+        }
+        if let Some(trace) = &mut cache.trace {
+            for (t, sel) in selected.iter().enumerate() {
+                trace.push(sel.clone().unwrap_or_else(|| (0..(past + t + 1) as u32).collect()));
+            }
+        }
+        selected
     }
 }

@@ -8,12 +8,14 @@
 //! walk outside lets the scheduler decide when expert bytes arrive without touching the math.
 
 mod attn_res;
+mod indexer;
 mod kda;
 mod loader;
 mod mla;
 mod moe;
 
 pub use attn_res::Residual;
+pub use indexer::{index_score, prepare_index_query, quantize_e4m3, round_index_key, round_to_bf16, round_to_e4m3, top_keys, ue8m0_scale};
 pub(crate) use kda::recurrent_step;
 pub use kda::{chunked_delta_rule, KdaState, Recording};
 pub use mla::MlaCache;
@@ -358,11 +360,13 @@ impl Model {
         match state {
             LayerState::Kda(s) => self.attention_block(l, &mut LayerState::Kda(s.scratch_copy()), r),
             LayerState::Mla(c) => {
-                let (len, last) = (c.len, c.last_forward);
+                // A guess is no read of the sequence's keys: it stays out of the trace.
+                let (len, last, trace) = (c.len, c.last_forward, c.trace.take());
                 let x = self.attention_block(l, state, r);
                 if let LayerState::Mla(c) = state {
                     c.truncate(&self.config, len);
                     c.last_forward = last;
+                    c.trace = trace;
                 }
                 x
             }
