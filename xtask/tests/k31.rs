@@ -260,3 +260,62 @@ fn the_indexer_keys_are_charged_to_the_sequence_state() {
     k3.engine().forward(&mut b, &prompt(30, 4), LogitRows::Last).unwrap();
     assert_eq!(a.bytes(c31) - b.bytes(c3), mla * 30 * per_token);
 }
+
+/// The ids of `n` tokens after `ids` on `model` under `budget`, and the spine layers streamed.
+fn budget_ids(model: &Path, budget: Option<u64>, ids: &[u32], n: usize) -> Result<(Vec<u32>, usize), String> {
+    let m = EngineBuilder::new(model).ram_budget(budget).context(128).open().map_err(|e| e.to_string())?;
+    let streamed = m.memory_plan().map_or(0, |p| p.streamed_layers);
+    let mut seq = m.new_sequence();
+    let mut out = Vec::new();
+    m.engine()
+        .generate(&mut seq, ids, &GenerateOptions::new(n), |t| {
+            out.push(t);
+            true
+        })
+        .map_err(|e| e.to_string())?;
+    Ok((out, streamed))
+}
+
+#[test]
+fn k31_runs_in_place_installed_streamed_from_a_hub_and_planned_with_its_checkpoints_ids() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = gen("k31-tiny", 11);
+    let ids = prompt(30, 6); // past index_topk, so every path selects keys
+    let (want, _) = budget_ids(dir.path(), None, &ids, 10).unwrap();
+    // A store over two homes, then in place, at budgets down to the minimum (every spine layer,
+    // the indexers' included, read and checked each pass).
+    let store = tmp.path().join("store");
+    deltafin_store::setup(&deltafin_store::SetupOptions::new(dir.path(), &store), &deltafin_store::NoProgress).unwrap();
+    let err = budget_ids(&store, Some(1), &ids, 10).unwrap_err();
+    let min: u64 = err
+        .split("needs at least ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{err}"));
+    for budget in [None, Some(64 << 20), Some(min)] {
+        let (got, streamed) = budget_ids(&store, budget, &ids, 10).unwrap();
+        assert_eq!(got, want, "store, budget {budget:?} ({streamed} layers streamed)");
+        if budget == Some(min) {
+            assert_eq!(streamed, 6, "at the minimum every layer streams");
+        }
+    }
+    assert_eq!(budget_ids(dir.path(), Some(64 << 20), &ids, 10).unwrap().0, want, "in place");
+    // Stream install from a hub: spine now, experts on first use.
+    let hub = xtask::hub_emulator::HubEmulator::start(dir.path(), "moonshotai/Kimi-K3.1-Pro-tiny").unwrap();
+    let streamed = tmp.path().join("streamed");
+    let mut o = deltafin_store::StreamOptions::new("hf://moonshotai/Kimi-K3.1-Pro-tiny", &streamed);
+    o.hub.endpoint = hub.endpoint.clone();
+    o.hub.offline = false;
+    deltafin_store::setup_stream(&o, &deltafin_store::NoProgress).unwrap();
+    assert_eq!(budget_ids(&streamed, Some(64 << 20), &ids, 10).unwrap().0, want, "stream install");
+    // `plan` reads the indexer's bytes as spine (against K3 of the same shape).
+    let sizes = deltafin_sched::model_sizes(dir.path()).unwrap();
+    let k3_sizes = deltafin_sched::model_sizes(gen("tiny", 11).path()).unwrap();
+    let cfg = deltafin_store::Checkpoint::open(dir.path()).unwrap().config().clone();
+    let ix = cfg.indexer.clone().unwrap();
+    let mla = cfg.attention.iter().filter(|a| **a == deltafin_core::AttentionKind::Mla).count() as u64;
+    let per_layer = 2
+        * (ix.heads * ix.head_dim * cfg.q_lora_rank + ix.head_dim * cfg.hidden_size + ix.heads * cfg.hidden_size + 2 * ix.head_dim) as u64;
+    assert_eq!(sizes.spine_bytes - k3_sizes.spine_bytes, mla * per_layer, "the indexers' weights are spine");
+}

@@ -3,8 +3,8 @@
 //! way a downloaded K3 is: every header parsed, all 82,432 expert spans found contiguous, the
 //! spine lent from memory maps without being read; then set up in place (nothing copied) and run
 //! for one pass under a 16 GB budget, most of the spine streamed, and with no budget: the same
-//! ids, the budgeted run's peak RSS within its budget. (A few minutes: every pass reads 100+ GB
-//! of holes as zeros.)
+//! ids, the budgeted run's peak RSS within its budget; then Kimi K3.1's full layout the same way
+//! under the budget. (A few minutes: every pass reads 100+ GB of holes as zeros.)
 
 use std::os::unix::fs::MetadataExt;
 use std::time::Instant;
@@ -104,4 +104,29 @@ fn full_size_k3_runs_in_place_under_16_gb_with_the_ids_of_an_unbudgeted_run() {
     let (mapped, _, _) = one_token(&dir, None);
     eprintln!("no budget (mapped): {:.0} s", t.elapsed().as_secs_f64());
     assert_eq!(budgeted, mapped);
+    std::fs::remove_dir_all(&store).unwrap();
+
+    // Kimi K3.1 at full size (issue 52): K3 plus an indexer on each of the 24 MLA layers. Run
+    // after K3, not beside it: two 16 GB runs at once would not fit the machine.
+    let k31 = tmp.path().join("k31");
+    generate_with("k31", 0, &k31, true).unwrap();
+    let ckpt = Checkpoint::open(&k31).unwrap();
+    let ix = ckpt.config().indexer.clone().expect("kimi_k31 has an indexer");
+    assert_eq!((ix.topk, ix.heads, ix.head_dim), (2048, 32, 128));
+    let indexer_bytes = 2 * (4096 * 1536 + 128 * 7168 + 32 * 7168 + 2 * 128);
+    assert_eq!(ckpt.tensors().len(), K3_TENSORS + 24 * 5);
+    assert_eq!(ckpt.tensors().values().map(|t| t.len).sum::<u64>(), K3_BYTES + 24 * indexer_bytes);
+    drop(ckpt);
+    let store = tmp.path().join("store31");
+    deltafin_store::setup(
+        &deltafin_store::SetupOptions::new(&k31, &store).layout(deltafin_store::ExpertLayoutKind::InPlace),
+        &deltafin_store::NoProgress,
+    )
+    .unwrap();
+    let t = Instant::now();
+    let (k31_ids, peak, streamed) = one_token(&store, Some(budget));
+    eprintln!("K3.1, 16 GB budget: {streamed} layers streamed, {:.0} s, peak RSS {:.1} GB", t.elapsed().as_secs_f64(), peak as f64 / 1e9);
+    assert!(streamed > 40 && peak <= budget, "{streamed} layers streamed, peak RSS {peak}");
+    // Two tokens of context: K3.1's attention is K3's dense one, so are the ids.
+    assert_eq!(k31_ids, budgeted);
 }

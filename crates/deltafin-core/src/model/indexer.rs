@@ -271,7 +271,8 @@ mod tests {
     fn bf16_rounding_is_to_nearest_even() {
         assert_eq!(round_to_bf16(1.0 + 2f32.powi(-8)), 1.0); // halfway: even
         assert_eq!(round_to_bf16(1.0 + 3.0 * 2f32.powi(-8)), 1.0 + 2f32.powi(-6));
-        assert_eq!(round_to_bf16(-1.0 - 2f32.powi(-7) - 2f32.powi(-12)), -1.0 - 2f32.powi(-6));
+        assert_eq!(round_to_bf16(-1.0 - 2f32.powi(-7) - 2f32.powi(-12)), -1.0 - 2f32.powi(-7));
+        assert_eq!(round_to_bf16(-1.0 - 2f32.powi(-7) - 2f32.powi(-8) - 2f32.powi(-12)), -1.0 - 2f32.powi(-6));
     }
 
     #[test]
