@@ -48,6 +48,12 @@ fn bad_input_gets_clear_errors() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary"));
     let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "x", "--ram-budget", "lots"]).output().unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not a size"));
+    // K3.1's indexer rounding on a K3 model: refused, saying which models it applies to.
+    let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "x", "--indexer", "fp8"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("kimi_k31"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = bin().args(["run", "--model"]).arg(&f).args(["--prompt", "x", "--indexer", "bf16"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("f32"));
+    ok(bin().args(["run", "--model"]).arg(&f).args(["--ids", PROMPT_IDS, "--max-new", "2", "--indexer", "f32"]));
 }
 
 #[test]
