@@ -23,6 +23,7 @@
 //! the core's kernels are batch-invariant and expert outputs are combined in a fixed order.
 
 mod batch;
+mod budget;
 mod constraint;
 mod draft;
 mod engine;
@@ -40,6 +41,7 @@ mod step;
 pub use deltafin_core::argmax;
 pub use deltafin_store::{peak_rss_bytes, CacheMode, CachePolicy};
 
+pub use crate::budget::{Charges, SpineSizes};
 pub use crate::{
     batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, DrafterFactory, FinishReason, JobId},
     constraint::{Constraint, TokenConstraint},

@@ -14,6 +14,7 @@ use deltafin_store::{
     CacheMode, CachePolicy, Checkpoint, Error as StoreError, ExpertSource, MappedExperts, ReaderOptions, Store, StreamingExperts,
 };
 
+use crate::budget::{Charges, SpineSizes};
 use crate::draft::{DraftWith, Drafting};
 use crate::engine::{Engine, EngineOptions};
 use crate::error::Result;
@@ -300,9 +301,6 @@ impl EngineBuilder {
         let draft = drafting.as_ref().map_or(0, |d| d.memory_bytes(self.context));
         let tokenizer_bytes = tokenizer.heap_bytes() as u64;
         let spine = store.spine_bytes();
-        let slots = self.max_sequences as u64;
-        let state = slots * Sequence::max_bytes(&cfg, self.context) as u64;
-        let kept = self.kept_bytes(&cfg) as u64;
         let expert_len = cfg.expert_shape().total_bytes() as u64;
         let all_experts = (cfg.moe_layers().len() * cfg.num_experts) as u64
             * deltafin_store::AlignedBuf::charge(cfg.expert_shape().total_bytes() + deltafin_store::BUF_ALIGN);
@@ -311,37 +309,33 @@ impl EngineBuilder {
         let mut streamed = vec![false; cfg.num_layers];
         let mut embed_by_row = false;
         let embed_name = format!("{}model.embed_tokens.weight", deltafin_core::LM_PREFIX);
+        let chunk = match self.ram_budget {
+            None => self.options.prefill_chunk.unwrap_or(self.context),
+            Some(_) => *self.options.prefill_chunk.get_or_insert(DEFAULT_BUDGET_CHUNK),
+        };
+        let charges = Charges::for_run(&cfg, self.context, self.max_sequences, self.kept_states, chunk, draft, tokenizer_bytes);
         let plan = match self.ram_budget {
-            None => {
-                let chunk = self.options.prefill_chunk.unwrap_or(self.context);
-                MemoryPlan {
-                    budget: 0,
-                    spine,
-                    sequence_state: state,
-                    working: EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context),
-                    draft,
-                    kept,
-                    tokenizer: tokenizer_bytes,
-                    experts: all_experts,
-                    streamed_layers: 0,
-                }
-            }
+            None => MemoryPlan {
+                budget: 0,
+                spine,
+                sequence_state: charges.sequence_state,
+                working: charges.working,
+                draft,
+                kept: charges.kept,
+                tokenizer: tokenizer_bytes,
+                experts: all_experts,
+                streamed_layers: 0,
+            },
             Some(budget) => {
-                let chunk = *self.options.prefill_chunk.get_or_insert(DEFAULT_BUDGET_CHUNK);
-                // A step runs one prompt chunk beside the other sequences' decode rows.
-                let working = EngineBuilder::working_bytes(&cfg, chunk + self.max_sequences - 1, self.context);
-                let one_expert = StreamingExperts::min_budget(cfg.expert_shape());
-                let others = state + working + draft + kept + tokenizer_bytes;
                 let layer_bytes: Vec<u64> = (0..cfg.num_layers).map(|l| store.layer_spine_bytes(l)).collect();
-                let fit = crate::spine::SpineFit::new(
+                let sizes = SpineSizes {
                     spine,
-                    &layer_bytes,
-                    store.spine_tensor_bytes(&embed_name),
-                    cfg.vocab_size,
-                    cfg.tie_word_embeddings,
-                    budget.saturating_sub(others + one_expert),
-                );
-                let min = fit.minimum + others + one_expert;
+                    layer_bytes: &layer_bytes,
+                    embed_bytes: store.spine_tensor_bytes(&embed_name),
+                    vocab: cfg.vocab_size,
+                    tied: cfg.tie_word_embeddings,
+                };
+                let (plan, fit, min) = MemoryPlan::fit(budget, &sizes, &charges);
                 if budget < min {
                     return Err(StoreError::BudgetTooSmall {
                         budget,
@@ -351,9 +345,9 @@ impl EngineBuilder {
                             fit.minimum as f64 / 1e6,
                             self.max_sequences,
                             self.context,
-                            state as f64 / 1e6,
-                            kept as f64 / 1e6,
-                            working as f64 / 1e6,
+                            charges.sequence_state as f64 / 1e6,
+                            charges.kept as f64 / 1e6,
+                            charges.working as f64 / 1e6,
                             draft as f64 / 1e6,
                             tokenizer_bytes as f64 / 1e6,
                             expert_len as f64 / 1e6
@@ -361,20 +355,9 @@ impl EngineBuilder {
                     }
                     .into());
                 }
-                let spine_resident = fit.resident_bytes;
                 embed_by_row = fit.embed_by_row;
                 streamed = fit.streamed;
-                MemoryPlan {
-                    budget,
-                    spine: spine_resident,
-                    sequence_state: state,
-                    working,
-                    draft,
-                    kept,
-                    tokenizer: tokenizer_bytes,
-                    experts: budget - spine_resident - others,
-                    streamed_layers: streamed.iter().filter(|s| **s).count(),
-                }
+                plan
             }
         };
         // The hot tier: the hottest experts from past runs, up to pin_bytes (within the budget).

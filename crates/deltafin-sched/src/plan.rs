@@ -13,8 +13,8 @@ use std::time::Instant;
 
 use deltafin_core::{Backend, Bf16Matrix, Bytes, ExpertLayout, K3Config, Mat};
 
-use crate::open::EngineBuilder;
-use crate::sequence::Sequence;
+use crate::budget::{Charges, SpineSizes};
+use crate::open::MemoryPlan;
 
 /// Share of the drives' summed rates the engine reached at 4 unequal drives with the strict
 /// reader-enforced caps, one striped copy (`cargo xtask bench ladder --limiter reader`,
@@ -121,6 +121,9 @@ pub struct ModelSizes {
 /// A plan, ready to print.
 #[derive(Clone, Debug)]
 pub struct Plan {
+    /// Where the RAM goes: what [`crate::LoadedModel::memory_plan`] says when this model opens
+    /// under the same budget and context (one sequence, 512-token prompt chunks).
+    pub memory: MemoryPlan,
     pub minimum_ram: u64,
     pub fits: bool,
     /// Spine held in RAM (with the buffers of two streamed layers when some stream).
@@ -157,25 +160,22 @@ impl Plan {
         let (e, k) = (cfg.num_experts as f64, cfg.experts_per_token as f64);
         let expert_len = cfg.expert_shape().total_bytes() as f64;
         let charge = deltafin_store::StreamingExperts::min_budget(cfg.expert_shape());
-        let state_bytes = Sequence::max_bytes(cfg, input.context) as u64;
         let chunk = crate::DEFAULT_BUDGET_CHUNK.min(input.prompt_tokens.max(1));
-        let working_bytes = EngineBuilder::working_bytes(cfg, chunk, input.context);
-        // As the engine plans at open (`SpineFit`): the whole spine if it fits, else the layers
-        // that fit kept and the rest read each pass; one expert's buffer at the least.
-        let others = state_bytes + working_bytes + m.tokenizer_bytes + charge;
-        let fit = crate::spine::SpineFit::new(
-            m.spine_bytes,
-            &m.layer_bytes,
-            m.embed_bytes,
-            cfg.vocab_size,
-            cfg.tie_word_embeddings,
-            input.ram.saturating_sub(others),
-        );
-        let minimum_ram = fit.minimum + others;
+        // The budget as the engine places it at open, from the same charges (one sequence).
+        let charges = Charges::for_run(cfg, input.context, 1, 0, crate::DEFAULT_BUDGET_CHUNK, 0, m.tokenizer_bytes);
+        let sizes = SpineSizes {
+            spine: m.spine_bytes,
+            layer_bytes: &m.layer_bytes,
+            embed_bytes: m.embed_bytes,
+            vocab: cfg.vocab_size,
+            tied: cfg.tie_word_embeddings,
+        };
+        let (memory, fit, minimum_ram) = MemoryPlan::fit(input.ram, &sizes, &charges);
+        let (state_bytes, working_bytes) = (charges.sequence_state, charges.working);
         let (resident_spine, spine_read_per_pass, streamed_layers) =
             (fit.resident_bytes, fit.read_per_pass(&m.layer_bytes), fit.streamed_layers());
         let total_experts = (moe * e) as u64;
-        let cached_experts = (input.ram.saturating_sub(resident_spine + others) / charge).min(total_experts);
+        let cached_experts = memory.cached_experts(charge, total_experts);
         let miss = 1.0 - cached_experts as f64 / total_experts.max(1) as f64;
         let expert_bytes_per_token = moe * k * miss * expert_len;
         // Distinct experts a prompt routes per layer (uniform routing), each read once.
@@ -191,6 +191,7 @@ impl Plan {
         // A prompt runs in chunks; each chunk's pass reads the streamed layers once.
         let chunks = input.prompt_tokens.div_ceil(chunk).max(1) as f64;
         Plan {
+            memory,
             minimum_ram,
             fits: input.ram >= minimum_ram,
             spine_bytes: resident_spine,

@@ -490,6 +490,7 @@ pub fn run(
         "ab-slice",
         "tokenizer",
         "grammar",
+        "k31",
         "gpu",
     ] {
         if let Ok(t) = std::fs::read_to_string(bench_dir.join(format!("{s}.md"))) {
