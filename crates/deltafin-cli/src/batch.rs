@@ -56,7 +56,8 @@ impl BatchProgress for Bar {
 
 pub fn run_batch(a: BatchArgs) -> Result<()> {
     let max_batch = a.max_batch.max(1);
-    let model = a.model.open_with(max_batch, 0)?;
+    // One kept state: a prompt prefix the requests share (a system prompt), run once.
+    let model = a.model.open_with(max_batch, 1)?;
     let name = a.model.model.file_name().map_or("deltafin".to_string(), |n| n.to_string_lossy().into_owned());
     let cfg = BatchConfig {
         input: a.input.clone(),
@@ -86,6 +87,14 @@ pub fn run_batch(a: BatchArgs) -> Result<()> {
         s.seconds,
         s.completion_tokens as f64 / s.seconds.max(1e-9)
     );
+    if s.cached_tokens > 0 {
+        eprintln!(
+            "shared prefixes: {} of {} prompt tokens started from a prefix another request ran ({} computed)",
+            s.cached_tokens,
+            s.prompt_tokens,
+            s.prompt_tokens - s.cached_tokens.min(s.prompt_tokens)
+        );
+    }
     if s.steps > 0 {
         eprintln!(
             "lockstep: {} steps, {:.1} sequences per step, {:.1} distinct experts per step, {:.1} MB of experts read per generated token",

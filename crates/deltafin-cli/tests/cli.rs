@@ -239,7 +239,15 @@ fn batch_lines(n: usize) -> String {
     s
 }
 
-/// custom_id -> (status, choices, usage) of each output line.
+/// `deltafin batch` over the fixture from `input` to `out`, `max_batch` at a time.
+fn batch_cmd(input: &Path, out: &Path, max_batch: &str) -> std::process::Command {
+    let mut c = bin();
+    c.args(["batch", "--model"]).arg(fixture()).arg("--input").arg(input).arg("--output").arg(out).args(["--max-batch", max_batch]);
+    c
+}
+
+/// custom_id -> (status, choices, usage) of each output line; the usage without its cached
+/// tokens (how many a request reused from a prefix another one ran depends on arrival order).
 fn batch_results(path: &Path) -> std::collections::BTreeMap<String, (u64, serde_json::Value, serde_json::Value)> {
     let text = std::fs::read_to_string(path).unwrap();
     let mut out = std::collections::BTreeMap::new();
@@ -247,7 +255,11 @@ fn batch_results(path: &Path) -> std::collections::BTreeMap<String, (u64, serde_
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         let id = v["custom_id"].as_str().unwrap().to_string();
         let r = &v["response"];
-        let prev = out.insert(id.clone(), (r["status_code"].as_u64().unwrap(), r["body"]["choices"].clone(), r["body"]["usage"].clone()));
+        let mut usage = r["body"]["usage"].clone();
+        if let Some(u) = usage.as_object_mut() {
+            u.remove("prompt_tokens_details");
+        }
+        let prev = out.insert(id.clone(), (r["status_code"].as_u64().unwrap(), r["body"]["choices"].clone(), usage));
         assert!(prev.is_none(), "{id} written twice");
     }
     out
@@ -258,19 +270,7 @@ fn a_killed_batch_resumes_to_the_uninterrupted_result() {
     let tmp = tempfile::tempdir().unwrap();
     let input = tmp.path().join("in.jsonl");
     std::fs::write(&input, batch_lines(12)).unwrap();
-    let run = |out: &Path, env: &[(&str, &str)]| {
-        bin()
-            .args(["batch", "--model"])
-            .arg(fixture())
-            .arg("--input")
-            .arg(&input)
-            .arg("--output")
-            .arg(out)
-            .args(["--max-batch", "4"])
-            .envs(env.iter().copied())
-            .output()
-            .unwrap()
-    };
+    let run = |out: &Path, env: &[(&str, &str)]| batch_cmd(&input, out, "4").envs(env.iter().copied()).output().unwrap();
     let whole = tmp.path().join("whole.jsonl");
     let o = run(&whole, &[]);
     let err = String::from_utf8_lossy(&o.stderr);
@@ -313,6 +313,48 @@ fn a_killed_batch_resumes_to_the_uninterrupted_result() {
     let o = run(&tmp.path().join("x.jsonl"), &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("line 2") && err.contains("twice"), "{err}");
+}
+
+/// Issue 49: requests sharing a system prompt run it once per batch (the first to start keeps its
+/// state, the others start there), with the answers of a batch that shares nothing.
+#[test]
+fn a_batch_runs_a_shared_system_prompt_once_with_unchanged_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    let system = "You are a careful assistant who answers in short sentences about boats, rivers and the weather on the coast.";
+    let mut text = String::new();
+    for i in 0..6 {
+        let body = serde_json::json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("Boat number {i}")}], "max_tokens": 6});
+        text += &serde_json::json!({"custom_id": format!("req-{i}"), "method": "POST", "url": "/v1/chat/completions", "body": body})
+            .to_string();
+        text.push('\n');
+    }
+    std::fs::write(&input, text).unwrap();
+    let run = |out: &Path, batch: &str| {
+        let o = batch_cmd(&input, out, batch).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        err
+    };
+    let (shared, alone) = (tmp.path().join("shared.jsonl"), tmp.path().join("alone.jsonl"));
+    let err = run(&shared, "3");
+    run(&alone, "1");
+    assert_eq!(batch_results(&shared), batch_results(&alone), "sharing the prefix changed an answer");
+    // Requests reach the engine as the batch feeds them: the first may start before any other has
+    // arrived to share with; the rest find the prefix kept.
+    let cached: Vec<u64> = std::fs::read_to_string(&shared)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert!(cached.iter().filter(|&&c| c >= 16).count() >= 3, "most requests started from the shared prefix: {cached:?}");
+    let line = err.lines().find(|l| l.starts_with("shared prefixes:")).unwrap_or_else(|| panic!("no shared-prefix line: {err}"));
+    let reused: u64 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+    assert_eq!(reused, cached.iter().sum::<u64>(), "the summary counts what the results say: {line}");
 }
 
 #[test]

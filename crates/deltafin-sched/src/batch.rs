@@ -16,6 +16,11 @@
 //! as one verify slot of the shared step, the prefix K3 agrees with is kept and the sequence cut
 //! back exactly, so every job's ids stay its solo plain run's.
 //!
+//! With [`Batcher::share_prefixes`] on (`deltafin batch`), a prompt prefix that waiting jobs
+//! share (a common system prompt) is run once: the first job to run it stops its prompt there
+//! for a step, a copy of its state is kept, and the jobs that share the prefix wait for that copy
+//! and start from it, running only what follows.
+//!
 //! A job may also ask for the logits of its prompt rows (prompt scoring: `echo` with logprobs,
 //! single-token classification); with `max_new` 0 it ends after its prompt.
 
@@ -118,8 +123,11 @@ pub struct BatchStats {
     pub distinct_expert_bytes: u64,
     /// Distinct experts the steps routed (each counted once per layer and step), summed.
     pub distinct_experts: u64,
-    /// Prompt tokens reused from kept states (not run again).
+    /// Prompt tokens reused from kept states and shared prefixes (not run again).
     pub cached_tokens: u64,
+    /// Shared prompt prefixes run once and kept for the jobs sharing them
+    /// ([`Batcher::share_prefixes`]).
+    pub shared_prefixes: u64,
     /// Expert bytes read from the drives.
     pub expert_bytes_read: u64,
     /// Drafted tokens verified, those K3 agreed with, and verify slots run ([`Batcher::drafting`]).
@@ -169,6 +177,8 @@ struct Active {
     fed: usize,
     /// Prompt tokens reused from a kept state.
     cached: usize,
+    /// The length of a prompt prefix waiting jobs share, which this job runs first and keeps.
+    share_at: Option<usize>,
     /// The next token to run (its id was emitted already), once the prompt is done.
     pending: Option<u32>,
     generated: usize,
@@ -192,6 +202,7 @@ impl Active {
             seq,
             fed: cached,
             cached,
+            share_at: None,
             pending: None,
             generated: 0,
             started: Instant::now(),
@@ -295,6 +306,9 @@ pub struct Batcher<'m> {
     /// Most drafts a job verifies per step (0: no drafting), and each job's drafter.
     draft_max: usize,
     new_drafter: DrafterFactory,
+    /// Shared prompt prefixes run once, and the least length worth it (with
+    /// [`Batcher::share_prefixes`]).
+    prefixes: Option<(KeptStates, usize)>,
 }
 
 /// Makes a job's drafter when it starts.
@@ -315,7 +329,44 @@ impl<'m> Batcher<'m> {
             kept: None,
             draft_max: 0,
             new_drafter: Box::new(|_| Box::new(NgramDrafter::default())),
+            prefixes: None,
         }
+    }
+
+    /// Runs a prompt prefix of at least `min_tokens` that waiting jobs share once, keeping its
+    /// state (within the model's allowance for kept state) for every job that starts with it:
+    /// a batch whose requests share a system prompt computes it once. Each job's ids stay its
+    /// solo run's.
+    pub fn share_prefixes(mut self, min_tokens: usize) -> Batcher<'m> {
+        // Without room for a kept state, a prefix's state could not be kept for the others.
+        let room = self.model.kept_bytes();
+        self.prefixes = (room > 0).then(|| (KeptStates::new(room), min_tokens.max(1)));
+        self
+    }
+
+    /// Whether `job` shares the prefix an active job is still running to keep: it then waits
+    /// for that prefix's state.
+    fn awaits_prefix(&self, job: &BatchJob) -> bool {
+        self.prefixes.is_some()
+            && !job.prompt_logits
+            && self
+                .active
+                .iter()
+                .any(|a| a.share_at.is_some_and(|p| a.fed < p && job.prompt.len() > p && job.prompt[..p] == a.job.prompt[..p]))
+    }
+
+    /// The longest prefix of `prompt` that a waiting job's prompt shares, if it is long enough
+    /// to share and leaves `prompt` a token of its own.
+    fn shared_prefix(&self, prompt: &[u32]) -> Option<usize> {
+        let (_, min) = self.prefixes.as_ref()?;
+        let longest = self
+            .waiting
+            .iter()
+            .filter(|(_, j)| !j.prompt_logits)
+            .map(|(_, j)| j.prompt.iter().zip(prompt).take_while(|(a, b)| a == b).count())
+            .max()?;
+        let p = longest.min(prompt.len() - 1);
+        (p >= *min).then_some(p)
     }
 
     /// Lets every job draft up to `k` tokens per step by prompt lookup (jobs with an output
@@ -419,7 +470,7 @@ impl<'m> Batcher<'m> {
                 out.event(BatchEvent::Failed { job: id, error: &e });
                 continue;
             }
-            if self.scores_transiently(job, row_cap) || self.active.len() >= self.max_active {
+            if self.scores_transiently(job, row_cap) || self.active.len() >= self.max_active || self.awaits_prefix(job) {
                 break;
             }
             let (id, job) = self.waiting.pop_front().expect("a front job");
@@ -428,11 +479,26 @@ impl<'m> Batcher<'m> {
                 Some(k) if !job.prompt_logits => k.take_longest(&job.prompt, job.opts.max_new),
                 _ => None,
             };
-            let seq = reused.unwrap_or_else(|| self.model.new_sequence());
+            let shared = match &mut self.prefixes {
+                Some((k, _)) if !job.prompt_logits => k.copy_longest(&job.prompt, job.opts.max_new),
+                _ => None,
+            };
+            // The longer of the two starts; the other goes back.
+            let (seq, other) = match (reused, shared) {
+                (Some(r), Some(s)) if s.ids().len() > r.ids().len() => (Some(s), Some(r)),
+                (Some(r), _) => (Some(r), None),
+                (None, s) => (s, None),
+            };
+            if let Some(r) = other {
+                self.keep(r);
+            }
+            let seq = seq.unwrap_or_else(|| self.model.new_sequence());
             let cached = seq.ids().len();
             self.stats.cached_tokens += cached as u64;
             out.event(BatchEvent::Started { job: id, cached_tokens: cached });
+            let share_at = if job.prompt_logits { None } else { self.shared_prefix(&job.prompt).filter(|&p| p > cached) };
             let mut a = Active::new(id, job, seq, cached);
+            a.share_at = share_at;
             if self.draft_max > 0 && a.job.opts.constraint.is_none() {
                 a.drafter = Some(((self.new_drafter)(&a.job), a.job.prompt.clone()));
             }
@@ -513,7 +579,9 @@ impl<'m> Batcher<'m> {
                 Some(t) if a.drafts.is_empty() => Some((vec![t], Phase::Decode, LogitRows::Last)),
                 Some(t) => Some(([&[t][..], &a.drafts].concat(), Phase::Verify, LogitRows::All)),
                 None => {
-                    let end = a.fed.saturating_add(rows_left.min(chunk)).min(a.job.prompt.len());
+                    // A shared prefix ends a step of its own, so its state can be kept.
+                    let stop = a.share_at.filter(|&p| p > a.fed).unwrap_or(a.job.prompt.len());
+                    let end = a.fed.saturating_add(rows_left.min(chunk)).min(stop);
                     rows_left -= end - a.fed;
                     let rows = if a.job.prompt_logits { LogitRows::All } else { LogitRows::Last };
                     (end > a.fed).then(|| (a.job.prompt[a.fed..end].to_vec(), Phase::Prompt, rows))
@@ -600,6 +668,10 @@ impl<'m> Batcher<'m> {
                 }
                 a.fed += ids.len();
                 self.stats.prompt_tokens += ids.len() as u64;
+                if let (Some((k, _)), true) = (&mut self.prefixes, a.share_at == Some(a.fed)) {
+                    k.keep_copy(&a.seq, self.model.engine().model().config());
+                    self.stats.shared_prefixes += 1;
+                }
                 if a.fed < a.job.prompt.len() {
                     continue;
                 }

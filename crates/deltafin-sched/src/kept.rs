@@ -34,6 +34,15 @@ impl KeptStates {
         Some(self.entries.swap_remove(best).1)
     }
 
+    /// A copy of the longest kept state that `prompt` strictly extends with room for `prompt`
+    /// plus `max_new` tokens, leaving it kept (a prefix many prompts share).
+    pub(crate) fn copy_longest(&mut self, prompt: &[u32], max_new: usize) -> Option<Sequence> {
+        let seq = self.take_longest(prompt, max_new)?;
+        let copy = seq.clone();
+        self.insert(seq);
+        Some(copy)
+    }
+
     /// Keeps `seq`, evicting the least recently used states until all fit the allowance. A
     /// state holding exactly the same tokens as `seq` is replaced; one too large alone is not kept.
     pub(crate) fn keep(&mut self, seq: Sequence, cfg: &K3Config) {

@@ -311,3 +311,55 @@ fn a_transient_sequence_runs_one_step_and_keeps_no_state() {
     let again = model.engine().step(&mut [Slot::new(&mut t, &[7], Phase::Decode)], None);
     assert!(again.unwrap_err().to_string().contains("one step only"));
 }
+
+/// Issue 49: requests sharing a system prompt in one batch run it once: the first to start runs
+/// the prefix and keeps its state, the others wait for it and start there. Every job's ids and
+/// logits are its solo run's; the prompt tokens computed drop by the prefix for each later job.
+#[test]
+fn a_shared_system_prompt_runs_once_per_batch_with_every_job_exact() {
+    let system: Vec<u32> = (0..24).map(|i| (i * 53 + 7) % 1000).collect();
+    let job = |suffix: &[u32], n: usize| BatchJob::new([&system[..], suffix].concat(), GenerateOptions::new(n));
+    let jobs = vec![
+        job(&[11, 12, 13], 6),
+        job(&[21, 22], 8),
+        job(&[31, 32, 33, 34, 35, 36, 37], 4),
+        job(&[41], 5),
+        // Another prompt, no prefix shared: runs beside them as usual.
+        BatchJob::new((0..9).map(|i| (i * 17 + 400) % 1000).collect(), GenerateOptions::new(6)),
+    ];
+    let submitted: u64 = jobs.iter().map(|j| j.prompt.len() as u64).sum();
+    for chunk in [None, Some(5)] {
+        let model = EngineBuilder::new(fixture()).max_sequences(3).kept_states(1).prefill_chunk(chunk).open().unwrap();
+        let mut batcher = Batcher::new(&model, 3).share_prefixes(8);
+        for j in &jobs {
+            batcher.submit(j.clone());
+        }
+        let mut got: HashMap<u64, Run> = HashMap::new();
+        let mut cached = Vec::new();
+        batcher.run(&mut |e: BatchEvent<'_>| {
+            match e {
+                BatchEvent::Token { job, step } => {
+                    let g = got.entry(job).or_default();
+                    g.0.push(step.id);
+                    g.1.push(bits(step.logits));
+                }
+                BatchEvent::Started { job, cached_tokens } => cached.push((job, cached_tokens)),
+                BatchEvent::Failed { job, error } => panic!("job {job} failed: {error}"),
+                _ => {}
+            }
+            true
+        });
+        for (i, j) in jobs.iter().enumerate() {
+            let want = solo(&model, j);
+            let have = got.remove(&(i as u64)).unwrap();
+            assert_eq!(have.0, want.0, "chunk {chunk:?}: job {i}'s ids differ from its solo run");
+            assert!(have.1 == want.1, "chunk {chunk:?}: job {i}'s logits differ from its solo run");
+        }
+        cached.sort();
+        assert_eq!(cached, vec![(0, 0), (1, 24), (2, 24), (3, 24), (4, 0)], "chunk {chunk:?}: who started from the shared prefix");
+        let s = batcher.stats();
+        assert_eq!(s.shared_prefixes, 1);
+        assert_eq!(s.prompt_tokens, submitted - 3 * 24, "chunk {chunk:?}: the prefix ran once");
+        assert_eq!(s.cached_tokens, 3 * 24);
+    }
+}

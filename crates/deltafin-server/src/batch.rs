@@ -61,6 +61,8 @@ pub struct BatchSummary {
     pub succeeded: usize,
     pub failed: usize,
     pub prompt_tokens: u64,
+    /// Prompt tokens not run again: started from a prefix another request shared.
+    pub cached_tokens: u64,
     pub completion_tokens: u64,
     pub seconds: f64,
     /// Engine steps run in lockstep, and summed over them: the sequences they ran and the
@@ -261,7 +263,14 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
     };
     let model = Arc::new(model);
     let state = AppState::new(server);
-    let queue = crate::worker::start(model.clone(), state.cfg.max_queue, max_batch, cfg.draft_max, state.metrics.clone());
+    let queue = crate::worker::start(
+        model.clone(),
+        state.cfg.max_queue,
+        max_batch,
+        cfg.draft_max,
+        crate::worker::Reuse::SharedPrefixes,
+        state.metrics.clone(),
+    );
     let _ = state.ready.set(Ready { model, queue, grammars: Arc::default() });
     let metrics = state.metrics.clone();
     let app = router(state);
@@ -317,6 +326,7 @@ pub fn run_batch(cfg: &BatchConfig, model: LoadedModel, progress: &mut dyn Batch
     summary.seconds = start.elapsed().as_secs_f64();
     let g = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
     summary.steps = g(&metrics.steps);
+    summary.cached_tokens = g(&metrics.cached_tokens);
     summary.sequence_steps = g(&metrics.sequence_steps);
     summary.distinct_experts = g(&metrics.distinct_experts);
     summary.expert_bytes_read = g(&metrics.step_expert_bytes_read);

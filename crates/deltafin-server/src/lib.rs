@@ -152,7 +152,14 @@ pub async fn serve(cfg: ServerConfig, load: impl FnOnce() -> Result<LoadedModel,
     tokio::task::spawn_blocking(move || match load() {
         Ok(model) => {
             let model = Arc::new(model);
-            let queue = worker::start(model.clone(), s.cfg.max_queue, s.cfg.max_batch, s.cfg.draft_max, s.metrics.clone());
+            let queue = worker::start(
+                model.clone(),
+                s.cfg.max_queue,
+                s.cfg.max_batch,
+                s.cfg.draft_max,
+                worker::Reuse::Conversations,
+                s.metrics.clone(),
+            );
             let _ = s.ready.set(Ready { model, queue, grammars: Arc::default() });
             tracing::info!(model = %s.cfg.model_name, "model ready");
         }

@@ -107,10 +107,24 @@ impl Queue {
     }
 }
 
+/// Prompt prefixes at least this long that queued requests share run once (`deltafin batch`).
+pub const SHARED_PREFIX_MIN: usize = 16;
+
+/// How the lockstep loop reuses state across requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reuse {
+    /// A conversation's next turn continues its kept state (`serve`).
+    Conversations,
+    /// A prompt prefix queued requests share runs once ([`SHARED_PREFIX_MIN`] tokens or more;
+    /// `deltafin batch`, whose requests have no next turn).
+    SharedPrefixes,
+}
+
 /// Starts the worker thread for `model` with room for `max_queue` waiting jobs, running up to
 /// `max_batch` in lockstep (1: one at a time, with the generator's drafter and kept state; more:
-/// each request drafting up to `draft_max` tokens per step by prompt lookup).
-pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, draft_max: usize, metrics: Arc<Metrics>) -> Queue {
+/// each request drafting up to `draft_max` tokens per step by prompt lookup, state reused as
+/// `reuse` says).
+pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, draft_max: usize, reuse: Reuse, metrics: Arc<Metrics>) -> Queue {
     let (tx, rx) = mpsc::sync_channel::<Job>(max_queue);
     let depth = Arc::new(AtomicUsize::new(0));
     let d = depth.clone();
@@ -118,7 +132,7 @@ pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, draft_
         .name("deltafin-engine".into())
         .spawn(move || {
             if max_batch > 1 {
-                return run_batched(&model, max_batch, draft_max, &rx, &d, &metrics);
+                return run_batched(&model, max_batch, draft_max, reuse, &rx, &d, &metrics);
             }
             let mut generator = Generator::new(&model);
             while let Ok(job) = rx.recv() {
@@ -270,8 +284,22 @@ fn on_batch_event(e: BatchEvent<'_>, jobs: &mut HashMap<JobId, Job>, metrics: &M
 }
 
 /// The lockstep loop: jobs join the batcher as they arrive and leave as they finish.
-fn run_batched(model: &LoadedModel, max_batch: usize, draft_max: usize, rx: &mpsc::Receiver<Job>, depth: &AtomicUsize, metrics: &Metrics) {
-    let new_batcher = || Batcher::new(model, max_batch).keep_states().drafting(draft_max);
+fn run_batched(
+    model: &LoadedModel,
+    max_batch: usize,
+    draft_max: usize,
+    reuse: Reuse,
+    rx: &mpsc::Receiver<Job>,
+    depth: &AtomicUsize,
+    metrics: &Metrics,
+) {
+    let new_batcher = || {
+        let b = Batcher::new(model, max_batch).drafting(draft_max);
+        match reuse {
+            Reuse::Conversations => b.keep_states(),
+            Reuse::SharedPrefixes => b.share_prefixes(SHARED_PREFIX_MIN),
+        }
+    };
     let mut batcher = new_batcher();
     let mut jobs: HashMap<JobId, Job> = HashMap::new();
     loop {

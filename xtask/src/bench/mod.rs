@@ -8,6 +8,7 @@
 mod ab;
 mod batch;
 mod batch_drafts;
+mod batch_prefix;
 mod capped;
 mod device;
 mod engine_runs;
@@ -41,6 +42,8 @@ pub enum Which {
     Batch,
     /// Drafts inside a lockstep batch, on the tiny trained K3: with and without.
     BatchDrafts,
+    /// A batch sharing a system prompt, on the tiny trained K3: run once or per job.
+    BatchPrefix,
     /// A stream store against a loopback hub over a rate-limited link.
     Stream,
     /// The real K3's full layout (sparse): startup phases and the plan's projection.
@@ -369,6 +372,9 @@ pub fn run(
     if matches!(which, Which::Batch | Which::All) {
         std::fs::write(bench_dir.join("batch.md"), batch::run(&store, budget, vocab, quick)?)?;
     }
+    if matches!(which, Which::BatchPrefix | Which::All) {
+        std::fs::write(bench_dir.join("batch-prefix.md"), batch_prefix::run(quick)?)?;
+    }
     if matches!(which, Which::BatchDrafts | Which::All) {
         std::fs::write(bench_dir.join("batch-drafts.md"), batch_drafts::run(quick)?)?;
     }
@@ -481,6 +487,7 @@ pub fn run(
         "trained",
         "batch",
         "batch-drafts",
+        "batch-prefix",
         "stream",
         "k3",
         "kernels",
