@@ -42,6 +42,11 @@ use deltafin_spec::{verify_with, Drafter, NgramDrafter};
 /// opened without a RAM budget).
 const SCORING_ROWS_MAX: usize = 4096;
 
+/// Most prompt tokens a job runs per step while other jobs are decoding, by default
+/// ([`Batcher::mixed_prompt_chunk`]): a long prompt then delays the others' next tokens by one
+/// such chunk per step, not by the whole prompt.
+pub const MIXED_PROMPT_CHUNK: usize = 512;
+
 /// A job's number within its [`Batcher`], in submission order.
 pub type JobId = u64;
 
@@ -309,6 +314,8 @@ pub struct Batcher<'m> {
     /// Shared prompt prefixes run once, and the least length worth it (with
     /// [`Batcher::share_prefixes`]).
     prefixes: Option<(KeptStates, usize)>,
+    /// Most prompt tokens per job and step while others decode.
+    mixed_chunk: usize,
 }
 
 /// Makes a job's drafter when it starts.
@@ -330,7 +337,16 @@ impl<'m> Batcher<'m> {
             draft_max: 0,
             new_drafter: Box::new(|_| Box::new(NgramDrafter::default())),
             prefixes: None,
+            mixed_chunk: MIXED_PROMPT_CHUNK,
         }
+    }
+
+    /// Most prompt tokens a job runs per step while other jobs are decoding (default
+    /// [`MIXED_PROMPT_CHUNK`]; `None`: the engine's prefill chunk, so a long prompt runs whole
+    /// and the others wait for it). Never changes an output: chunks give a prompt's bits.
+    pub fn mixed_prompt_chunk(mut self, tokens: Option<usize>) -> Batcher<'m> {
+        self.mixed_chunk = tokens.unwrap_or(usize::MAX).max(1);
+        self
     }
 
     /// Runs a prompt prefix of at least `min_tokens` that waiting jobs share once, keeping its
@@ -572,6 +588,8 @@ impl<'m> Batcher<'m> {
             spare -= a.drafts.len();
         }
         let mut rows_left = spare;
+        // Beside decoding jobs a prompt runs in shorter chunks, so their next tokens come soon.
+        let prompt_chunk = if decoding > 0 { chunk.min(self.mixed_chunk) } else { chunk };
         let plan: Vec<Option<(Vec<u32>, Phase, LogitRows)>> = self
             .active
             .iter()
@@ -581,7 +599,7 @@ impl<'m> Batcher<'m> {
                 None => {
                     // A shared prefix ends a step of its own, so its state can be kept.
                     let stop = a.share_at.filter(|&p| p > a.fed).unwrap_or(a.job.prompt.len());
-                    let end = a.fed.saturating_add(rows_left.min(chunk)).min(stop);
+                    let end = a.fed.saturating_add(rows_left.min(prompt_chunk)).min(stop);
                     rows_left -= end - a.fed;
                     let rows = if a.job.prompt_logits { LogitRows::All } else { LogitRows::Last };
                     (end > a.fed).then(|| (a.job.prompt[a.fed..end].to_vec(), Phase::Prompt, rows))

@@ -43,7 +43,7 @@ pub use deltafin_store::{peak_rss_bytes, CacheMode, CachePolicy};
 
 pub use crate::budget::{Charges, SpineSizes};
 pub use crate::{
-    batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, DrafterFactory, FinishReason, JobId},
+    batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, DrafterFactory, FinishReason, JobId, MIXED_PROMPT_CHUNK},
     constraint::{Constraint, TokenConstraint},
     draft::{DraftWith, AUTO_DRAFT_DIR},
     engine::{Cancel, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows, Step},

@@ -142,6 +142,11 @@ fn lockstep_jobs_match_their_solo_runs_bit_for_bit() {
     check(&model, 8, "in RAM, asking for more slots than the model has");
     let chunked = EngineBuilder::new(fixture()).max_sequences(4).prefill_chunk(Some(4)).open().unwrap();
     check(&chunked, 4, "prompts in chunks of 4 beside decode rows");
+    // Issue 49: beside decoding jobs a prompt runs in short chunks (here 3 tokens, the model
+    // setting no bound), whole while nothing decodes: the same bits either way.
+    let s = check_drafting(&model, 3, Batcher::new(&model, 3).mixed_prompt_chunk(Some(3)), "prompts in chunks of 3 beside decode rows");
+    let whole = check_drafting(&model, 3, Batcher::new(&model, 3).mixed_prompt_chunk(None), "prompts whole beside decode rows");
+    assert!(s.steps > whole.steps, "chunked prompts took more, shorter steps: {} vs {}", s.steps, whole.steps);
 }
 
 #[test]

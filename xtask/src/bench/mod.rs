@@ -8,6 +8,7 @@
 mod ab;
 mod batch;
 mod batch_drafts;
+mod batch_mixed;
 mod batch_prefix;
 mod capped;
 mod device;
@@ -44,6 +45,8 @@ pub enum Which {
     BatchDrafts,
     /// A batch sharing a system prompt, on the tiny trained K3: run once or per job.
     BatchPrefix,
+    /// A long prompt arriving among decoding jobs, on the tiny trained K3: whole or chunked.
+    BatchMixed,
     /// A stream store against a loopback hub over a rate-limited link.
     Stream,
     /// The real K3's full layout (sparse): startup phases and the plan's projection.
@@ -372,6 +375,9 @@ pub fn run(
     if matches!(which, Which::Batch | Which::All) {
         std::fs::write(bench_dir.join("batch.md"), batch::run(&store, budget, vocab, quick)?)?;
     }
+    if matches!(which, Which::BatchMixed | Which::All) {
+        std::fs::write(bench_dir.join("batch-mixed.md"), batch_mixed::run(quick)?)?;
+    }
     if matches!(which, Which::BatchPrefix | Which::All) {
         std::fs::write(bench_dir.join("batch-prefix.md"), batch_prefix::run(quick)?)?;
     }
@@ -488,6 +494,7 @@ pub fn run(
         "batch",
         "batch-drafts",
         "batch-prefix",
+        "batch-mixed",
         "stream",
         "k3",
         "kernels",
