@@ -421,23 +421,41 @@ fn eight_concurrent_streams_in_lockstep_get_their_solo_outputs() {
 /// the lockstep batch drafts by prompt lookup, and each still gets its solo plain output.
 #[test]
 fn drafting_in_a_lockstep_batch_gives_each_client_its_solo_plain_output() {
-    let prompts: Vec<String> = (0..6)
-        .map(|i| format!("{} {i} boats, {} {i} boats, {} {i} boats", "red ".repeat(i + 1), "red ".repeat(i + 1), "red ".repeat(i + 1)))
+    // Issue 49: 16 clients at once on 4 slots with prompt-lookup drafts, then follow-ups.
+    let prompts: Vec<String> = (0..16)
+        .map(|i| {
+            let r = "red ".repeat(i % 6 + 1);
+            format!("{r} {i} boats, {r} {i} boats, {r} {i} boats")
+        })
         .collect();
     let plain = start(&[]);
     let want: Vec<Value> = prompts.iter().map(|p| plain.json("/v1/chat/completions", &chat_body(p, 24)).1).collect();
-    drop(plain);
-    let s = start(&["--max-batch", "4", "--draft", "ngram"]);
-    let got: Vec<Value> = std::thread::scope(|scope| {
-        let handles: Vec<_> = prompts.iter().map(|p| scope.spawn(|| s.json("/v1/chat/completions", &chat_body(p, 24)).1)).collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let mut drafted = 0;
+    // Room to keep every conversation (each keeps two states: after its prompt, and finished).
+    let s = start(&["--max-batch", "4", "--draft", "ngram", "--keep-states", "32", "--max-queue", "16"]);
+    let all = |bodies: Vec<Value>| -> Vec<Value> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = bodies.iter().map(|b| scope.spawn(|| s.json("/v1/chat/completions", b).1)).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let got = all(prompts.iter().map(|p| chat_body(p, 24)).collect());
+    let (mut drafted, mut accepted) = (0, 0);
     for (i, (got, want)) in got.iter().zip(&want).enumerate() {
         assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"], "request {i} differs from its solo plain run");
         drafted += got["timings"]["drafted_n"].as_u64().unwrap();
+        accepted += got["timings"]["accepted_n"].as_u64().unwrap();
     }
-    assert!(drafted > 0, "the requests drafted: {got:?}");
+    assert!(drafted > 0 && accepted > 0, "the requests drafted and kept drafts where text repeats: {got:?}");
+    // Follow-ups of four conversations, at once, resume from their kept states and answer as a
+    // cold server does.
+    let follows: Vec<Value> = [0, 5, 10, 15].iter().map(|&i| follow_up(&prompts[i], &got[i])).collect();
+    let warm = all(follows.clone());
+    for (f, w) in follows.iter().zip(&warm) {
+        let cold = plain.json("/v1/chat/completions", f).1;
+        assert_eq!(w["choices"][0]["message"], cold["choices"][0]["message"], "a follow-up differs from a cold run");
+    }
+    let cached: Vec<u64> = warm.iter().map(|w| w["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()).collect();
+    assert!(cached.iter().all(|&c| c > 10), "every follow-up reused its kept state: {cached:?}");
 }
 
 #[test]
