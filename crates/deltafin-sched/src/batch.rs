@@ -392,6 +392,15 @@ impl<'m> Batcher<'m> {
         self
     }
 
+    /// [`Batcher::drafting`] with the drafter the model was opened with (a draft model: one per
+    /// job, each with its own cache; prompt lookup if it was opened without one).
+    pub fn drafting_as_opened(self, k: usize) -> Batcher<'m> {
+        match self.model.drafter_factory() {
+            Some(f) => self.drafting_with(k, f),
+            None => self.drafting(k),
+        }
+    }
+
     /// [`Batcher::drafting`] with drafters `new_drafter` makes for each job (the tests' oracle
     /// and random drafters).
     pub fn drafting_with(mut self, k: usize, new_drafter: DrafterFactory) -> Batcher<'m> {

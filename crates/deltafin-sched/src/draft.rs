@@ -40,6 +40,7 @@ impl std::str::FromStr for DraftWith {
 }
 
 /// The drafter a model was opened with.
+#[derive(Clone)]
 pub(crate) enum Drafting {
     Ngram,
     Model(Arc<DraftModel>),
@@ -67,11 +68,14 @@ impl Drafting {
         Ok(Drafting::Model(Arc::new(draft)))
     }
 
-    /// Bytes it holds for a context of `context` tokens.
-    pub(crate) fn memory_bytes(&self, context: usize) -> u64 {
+    /// Bytes it holds for `sequences` sequences drafting at once, each a context of `context`
+    /// tokens: the weights once, a draft cache per sequence.
+    pub(crate) fn memory_bytes(&self, context: usize, sequences: usize) -> u64 {
         match self {
             Drafting::Ngram => 0,
-            Drafting::Model(m) => m.memory_bytes(context),
+            Drafting::Model(m) => {
+                m.memory_bytes(context) + (sequences.max(1) as u64 - 1) * (m.model().kv_bytes_per_token() * context) as u64
+            }
         }
     }
 

@@ -298,7 +298,7 @@ impl EngineBuilder {
         let (ranks, tok_config) = store.tokenizer_texts()?;
         let tokenizer = Arc::new(Tokenizer::from_tiktoken(&ranks, tok_config.as_deref(), K3_PATTERN)?);
         let drafting = self.draft.as_ref().map(|w| Drafting::open(w, &self.path, &tokenizer, self.compute())).transpose()?;
-        let draft = drafting.as_ref().map_or(0, |d| d.memory_bytes(self.context));
+        let draft = drafting.as_ref().map_or(0, |d| d.memory_bytes(self.context, self.max_sequences));
         let tokenizer_bytes = tokenizer.heap_bytes() as u64;
         let spine = store.spine_bytes();
         let expert_len = cfg.expert_shape().total_bytes() as u64;
@@ -468,6 +468,13 @@ impl LoadedModel {
     /// generation or conversation; `None` without one.
     pub fn drafter(&self) -> Option<Box<dyn Drafter + Send>> {
         self.drafting.as_ref().map(|d| d.drafter(&self.tokenizer))
+    }
+    /// Makes a fresh drafter of the kind the model was opened with for each job of a
+    /// [`crate::Batcher`] (each its own draft cache, which the budget charges per sequence slot);
+    /// `None` without one.
+    pub fn drafter_factory(&self) -> Option<crate::DrafterFactory> {
+        let (drafting, tokenizer) = (self.drafting.clone()?, self.tokenizer.clone());
+        Some(Box::new(move |_| -> Box<dyn Drafter> { drafting.drafter(&tokenizer) }))
     }
     /// What drafts, in words (`None` without drafting).
     pub fn drafter_description(&self) -> Option<String> {

@@ -368,3 +368,19 @@ fn a_shared_system_prompt_runs_once_per_batch_with_every_job_exact() {
         assert_eq!(s.cached_tokens, 3 * 24);
     }
 }
+
+/// Issue 49: a draft model drafts inside a lockstep batch too (each job its own drafter and
+/// cache): the trained K3 with its trained Qwen3 draft, every job's ids and logits its solo
+/// plain run's.
+#[test]
+fn a_draft_model_drafts_for_every_job_in_lockstep_with_solo_outputs() {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../training/models");
+    let model = EngineBuilder::new(root.join("k3"))
+        .max_sequences(3)
+        .draft(Some(deltafin_sched::DraftWith::Model(root.join("draft"))))
+        .open()
+        .unwrap();
+    let s = check_drafting(&model, 3, Batcher::new(&model, 3).drafting_as_opened(4), "trained draft model");
+    assert!(s.verifies > 0 && s.drafted > 0, "the draft model drafted: {s:?}");
+    assert!(s.accepted > 0, "some of its drafts were K3's choices: {s:?}");
+}

@@ -122,8 +122,8 @@ pub enum Reuse {
 
 /// Starts the worker thread for `model` with room for `max_queue` waiting jobs, running up to
 /// `max_batch` in lockstep (1: one at a time, with the generator's drafter and kept state; more:
-/// each request drafting up to `draft_max` tokens per step by prompt lookup, state reused as
-/// `reuse` says).
+/// each request drafting up to `draft_max` tokens per step with a drafter of the kind the model
+/// was opened with, state reused as `reuse` says).
 pub fn start(model: Arc<LoadedModel>, max_queue: usize, max_batch: usize, draft_max: usize, reuse: Reuse, metrics: Arc<Metrics>) -> Queue {
     let (tx, rx) = mpsc::sync_channel::<Job>(max_queue);
     let depth = Arc::new(AtomicUsize::new(0));
@@ -294,7 +294,7 @@ fn run_batched(
     metrics: &Metrics,
 ) {
     let new_batcher = || {
-        let b = Batcher::new(model, max_batch).drafting(draft_max);
+        let b = Batcher::new(model, max_batch).drafting_as_opened(draft_max);
         match reuse {
             Reuse::Conversations => b.keep_states(),
             Reuse::SharedPrefixes => b.share_prefixes(SHARED_PREFIX_MIN),
