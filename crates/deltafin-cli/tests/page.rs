@@ -153,8 +153,10 @@ fn the_chat_page_streams_a_reply_and_stops_one_mid_reply() {
         common::skipped("Chromium and ChromeDriver are not installed (apt-get install chromium chromium-driver)", true);
         return;
     }
-    // A context long enough for a reply that takes seconds, so it can be stopped mid-way.
-    let s = start(&["--context", "8192", "--default-max-tokens", "6000"]);
+    // A long reply that takes seconds, so it can be stopped mid-way: a long context, and each
+    // token slowed (the fixture may end a reply after a few hundred tokens, a fraction of a
+    // second on an idle machine, before a click lands).
+    let s = start_env(&["--context", "8192", "--default-max-tokens", "6000"], &[("DELTAFIN_FAULT_TOKEN_DELAY_MS", "20")]);
     let b = Browser::start();
     b.open(&format!("http://127.0.0.1:{}/", s.port));
     b.wait_for("document.getElementById('model').textContent.includes('checkpoint')", 10);

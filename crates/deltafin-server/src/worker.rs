@@ -180,6 +180,7 @@ impl Output for JobOutput<'_> {
     }
     fn token(&mut self, step: Step<'_>) -> bool {
         self.last = Some(step.id);
+        fault_token_delay();
         let (logprob, top) = match self.job.logprobs {
             Some(k) => logprobs(step.logits, step.id, k),
             None => (None, vec![]),
@@ -359,6 +360,19 @@ fn replay(model: &LoadedModel, job: &Job, text: &str) {
     stats.generated_tokens = ids.len().min(job.max_tokens);
     let hit_stop_id = last.is_some_and(|id| job.stop_ids.contains(&id));
     let _ = job.events.send(Event::Done { stats: Box::new(stats), cached_tokens: 0, hit_stop_id });
+}
+
+/// A planted slow generator (tests only: `DELTAFIN_FAULT_TOKEN_DELAY_MS`): each token of a
+/// one-at-a-time generation waits this long, so a test can act on a reply mid-way (the chat
+/// page's Stop) however fast this machine generates.
+fn fault_token_delay() {
+    static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    let delay = DELAY.get_or_init(|| {
+        std::env::var("DELTAFIN_FAULT_TOKEN_DELAY_MS").ok().and_then(|v| v.parse().ok()).map(std::time::Duration::from_millis)
+    });
+    if let Some(d) = delay {
+        std::thread::sleep(*d);
+    }
 }
 
 fn fault_panic<'p>(mut prompts: impl Iterator<Item = &'p [u32]>) {
