@@ -29,13 +29,14 @@ use std::time::Instant;
 
 use deltafin_core::Mat;
 
-use crate::engine::{GenerateOptions, LogitRows, Step};
+use crate::engine::LogitRows;
+use crate::engine::{Phase, Slot};
 use crate::error::{Error, Result};
+use crate::generation::{GenerateOptions, Step};
 use crate::kept::KeptStates;
 use crate::open::LoadedModel;
 use crate::sequence::Sequence;
 use crate::stats::Stats;
-use crate::step::{Phase, Slot};
 use deltafin_spec::{verify_with, Drafter, NgramDrafter};
 
 /// Most rows of scoring prompts one step takes when the working memory sets no bound (a model

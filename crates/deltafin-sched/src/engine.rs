@@ -1,5 +1,19 @@
-//! The engine loop: forward passes are engine steps (`step.rs`) over one sequence, a long prompt
-//! in chunks, and generation repeats single-token steps greedily.
+//! The engine: a model, its experts, and the step, the unit of all work. Forward passes over one
+//! sequence are steps (a long prompt in chunks); generation, which repeats steps, is
+//! `generation.rs`.
+//!
+//! **The step.** One forward pass over a set of slots: a slot is one sequence, its new token ids,
+//! which rows want logits, and its phase (prompt, decode, verify). The layer walk is written here
+//! once: per layer, attention runs per slot (each has its own state), then the MLP runs over the
+//! rows of all slots together; at an MoE layer each distinct routed expert is requested once for
+//! the whole step and applied to every row routed to it as its bytes arrive. The kernels are
+//! batch-invariant, so a slot's output is bit-identical whatever else shares its step.
+//!
+//! **Rollback without copies.** A step records, per KDA layer, only what is needed to undo it
+//! (the state it started from; for verification, also each token's recurrence inputs, so it can be
+//! cut back to any prefix); MLA caches are truncated. A failed or cancelled step is undone from
+//! that record; no sequence's state is ever cloned, so a step's memory does not grow with the
+//! context.
 //!
 //! **Expert-major.** At each MoE layer every new token is routed first; each distinct routed
 //! expert is then requested once and applied to all the tokens routed to it, as soon as its bytes
@@ -9,17 +23,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deltafin_core::{argmax, Mat, Model};
-use deltafin_store::ExpertSource;
+use deltafin_core::{LayerState, Mat, MlpKind, Model, MoeCombine, Residual};
+use deltafin_store::{ExpertSource, Priority};
 
-use crate::constraint::Constraint;
 use crate::error::{Error, Result};
-use crate::sample::Sampling;
 use crate::sequence::Sequence;
-use crate::stats::Stats;
-use crate::step::{Phase, Slot};
-use deltafin_spec::{verify_with, CostGate, Drafter};
-use deltafin_store::peak_rss_bytes;
 
 /// How many of the last layer's expert reads are still outstanding when the next token's guess
 /// is made: it runs the logits and the next token's first layers (about twice a layer guess's
@@ -171,7 +179,7 @@ impl Engine {
     /// `guess_next`: another one-token pass will follow this one (generation), so the last layer
     /// may prefetch for it. Also returns the hidden states after each of `hidden` layers, every
     /// row.
-    fn forward_inner(
+    pub(crate) fn forward_inner(
         &self,
         seq: &mut Sequence,
         ids: &[u32],
@@ -229,215 +237,9 @@ impl Engine {
         self.agreement.lock().expect("poisoned").estimate()
     }
 
-    /// Scores the step's provisional next token (if one was worked out) against the real one.
-    fn note_provisional(&self, r: &ForwardReport, next: u32, stats: &mut Stats) {
-        let Some(p) = r.provisional else { return };
-        let right = p == next;
+    /// Notes whether the provisional next token (the boundary guess) was the real one.
+    pub(crate) fn note_agreement(&self, right: bool) {
         self.agreement.lock().expect("poisoned").note(right);
-        stats.boundary_guesses += u64::from(r.boundary_guessed);
-        stats.provisional_tokens += 1;
-        stats.provisional_tokens_right += u64::from(right);
-    }
-
-    /// Greedy generation after `prompt`: calls `on_token` with each new id; stops at a stop id,
-    /// after `max_new` tokens, or when `on_token` returns `false`.
-    pub fn generate(
-        &self,
-        seq: &mut Sequence,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        mut on_token: impl FnMut(u32) -> bool,
-    ) -> Result<Stats> {
-        self.generate_with(seq, prompt, opts, |s| on_token(s.id))
-    }
-
-    /// [`Engine::generate`] that also hands over the logits each token was chosen from.
-    pub fn generate_with(
-        &self,
-        seq: &mut Sequence,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        on_step: impl FnMut(Step<'_>) -> bool,
-    ) -> Result<Stats> {
-        self.generate_keeping(seq, prompt, opts, None, on_step, |_| {})
-    }
-
-    /// [`Engine::generate_with`] with drafts: each step feeds the latest token plus up to
-    /// `opts.draft_max` of `drafter`'s guesses as one verify slot, keeps the longest prefix K3
-    /// agrees with plus K3's own next token, and cuts the sequence back exactly. The ids, and the
-    /// state left behind, are plain decoding's.
-    pub fn generate_drafted(
-        &self,
-        seq: &mut Sequence,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        drafter: &mut dyn Drafter,
-        on_step: impl FnMut(Step<'_>) -> bool,
-    ) -> Result<Stats> {
-        self.generate_keeping(seq, prompt, opts, Some(drafter), on_step, |_| {})
-    }
-
-    /// [`Engine::generate_with`] that hands `after_prompt` the sequence right after the prompt
-    /// ran (a generator keeps a copy there for the next turn of a conversation).
-    pub(crate) fn generate_keeping<'d>(
-        &self,
-        seq: &mut Sequence,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        mut drafter: Option<&mut (dyn Drafter + 'd)>,
-        mut on_step: impl FnMut(Step<'_>) -> bool,
-        after_prompt: impl FnOnce(&Sequence),
-    ) -> Result<Stats> {
-        // Drafts are guessed without the output grammar: a constrained generation runs plain.
-        if opts.constraint.is_some() {
-            drafter = None;
-        }
-        let start = Instant::now();
-        let before = self.experts.stats();
-        let spine_before = self.spine.as_ref().map_or(0, |s| s.bytes_read());
-        // A hidden-state drafter reads K3's hidden states at its layers for every kept token.
-        let hidden: Vec<usize> = drafter.as_deref().map(|d| d.hidden_layers()).unwrap_or_default();
-        let start_len = seq.ids.len();
-        let (logits, rep, states) = self.forward_inner(seq, prompt, LogitRows::Last, opts.cancel.as_ref(), opts.max_new > 1, &hidden)?;
-        if let (Some(d), false) = (drafter.as_deref_mut(), hidden.is_empty()) {
-            d.observe_hidden(start_len, &states);
-        }
-        after_prompt(seq);
-        let after_prefill = self.experts.stats();
-        let ttft = start.elapsed();
-        let mut stats = Stats { prompt_tokens: prompt.len(), ttft_s: ttft.as_secs_f64(), ..Default::default() };
-        stats.expert_bytes_read_prefill = after_prefill.bytes_read - before.bytes_read;
-        stats.expert_bytes_distinct_prefill = rep.distinct_expert_bytes;
-        let mut read_wait = rep.read_wait;
-        let mut last = logits.row(logits.rows - 1).to_vec();
-        // What a drafter sees: every token so far, kept in step as tokens are emitted (not
-        // rebuilt from the sequence at every step).
-        let mut context = if drafter.is_some() { seq.ids.clone() } else { Vec::new() };
-        // Each token is chosen at its position in the sequence: sampling draws depend on it alone.
-        let mut next = opts.next_token(&last, seq.ids.len())?;
-        // Draft lengths come from the live cost gate unless fixed by the options.
-        let mut gate = (drafter.is_some() && opts.draft_gate).then(|| CostGate::new(opts.draft_max));
-        let trace_gate = gate.is_some() && std::env::var_os("DELTAFIN_GATE_TRACE").is_some();
-        let decode_start = Instant::now();
-        let mut generated = 0;
-        while generated < opts.max_new {
-            generated += 1;
-            if drafter.is_some() {
-                context.push(next);
-            }
-            let keep_going = on_step(Step { id: next, logits: &last });
-            if opts.stop_ids.contains(&next) || !keep_going || generated == opts.max_new {
-                break;
-            }
-            // The context is full: end like `max_new` does, keeping what was generated (an error
-            // here would throw it away).
-            if seq.ids.len() + 1 > seq.context_limit {
-                stats.context_limit_reached = true;
-                break;
-            }
-            let step_start = Instant::now();
-            if let Some(d) = drafter.as_deref_mut() {
-                let room = seq.context_limit - seq.ids.len() - 1;
-                let chosen = match gate.as_mut() {
-                    Some(g) => {
-                        let k = g.choose();
-                        if trace_gate {
-                            eprintln!("gate: {:?} -> {k}", g.view());
-                        }
-                        k
-                    }
-                    None => opts.draft_max,
-                };
-                let want = chosen.min(opts.max_new - generated).min(room);
-                let mut drafts = if want > 0 { d.draft(&context, want) } else { Vec::new() };
-                drafts.truncate(want);
-                stats.draft_s += step_start.elapsed().as_secs_f64();
-                if !drafts.is_empty() {
-                    let mut ids = vec![next];
-                    ids.extend_from_slice(&drafts);
-                    let start = seq.ids.len();
-                    let out =
-                        self.step_inner(&mut [Slot::new(seq, &ids, Phase::Verify).hidden_states(&hidden)], opts.cancel.as_ref(), false)?;
-                    read_wait += out.report.read_wait;
-                    let rows = out.logits.into_iter().next().expect("one slot");
-                    // Each draft is kept when it is the token plain decoding chooses at its
-                    // position (greedy: the argmax; sampled: the same seeded draw).
-                    // Row i predicts position start + i + 1.
-                    let verdict = verify_with(&drafts, &rows, |row, i| opts.choose(row, start + i + 1));
-                    stats.verifies += 1;
-                    stats.drafted += drafts.len() as u64;
-                    stats.accepted += verdict.accepted as u64;
-                    stats.verify_union_bytes += out.report.distinct_expert_bytes;
-                    d.accepted(drafts.len(), verdict.accepted);
-                    if let Some(g) = gate.as_mut() {
-                        g.note_verify(drafts.len(), verdict.accepted, step_start.elapsed().as_secs_f64());
-                    }
-                    // Emit the accepted drafts (each is K3's own choice), stopping as plain
-                    // decoding would; then keep what it would hold: all emitted but the last.
-                    let mut stopped_at = None;
-                    for (i, &t) in drafts[..verdict.accepted].iter().enumerate() {
-                        generated += 1;
-                        context.push(t);
-                        let keep_going = on_step(Step { id: t, logits: rows.row(i) });
-                        if opts.stop_ids.contains(&t) || !keep_going || generated == opts.max_new {
-                            stopped_at = Some(i);
-                            break;
-                        }
-                    }
-                    let kept = 1 + stopped_at.unwrap_or(verdict.accepted);
-                    seq.rewind_to(&self.model, start + kept)?;
-                    if !hidden.is_empty() {
-                        let rows: Vec<Mat> = out.hidden[0].iter().map(|m| m.rows_range(0, kept)).collect();
-                        d.observe_hidden(start, &rows);
-                    }
-                    if stopped_at.is_some() {
-                        break;
-                    }
-                    last = rows.row(verdict.accepted).to_vec();
-                    next = verdict.next;
-                    continue;
-                }
-            }
-            let at = seq.ids.len();
-            let (l, r, states) =
-                self.forward_inner(seq, &[next], LogitRows::Last, opts.cancel.as_ref(), generated + 1 < opts.max_new, &hidden)?;
-            if let (Some(d), false) = (drafter.as_deref_mut(), hidden.is_empty()) {
-                d.observe_hidden(at, &states);
-            }
-            read_wait += r.read_wait;
-            last = l.row(0).to_vec();
-            next = opts.next_token(&last, seq.ids.len())?;
-            self.note_provisional(&r, next, &mut stats);
-            if let Some(g) = gate.as_mut() {
-                g.note_plain(step_start.elapsed().as_secs_f64());
-            }
-        }
-        stats.draft_probes = gate.as_ref().map_or(0, CostGate::probes);
-        let decode = decode_start.elapsed().as_secs_f64();
-        let end = self.experts.stats();
-        stats.generated_tokens = generated;
-        // Decode rate counts the forwards after the first token (which prefill produced).
-        stats.decode_tok_s = if generated > 1 && decode > 0.0 { (generated - 1) as f64 / decode } else { 0.0 };
-        stats.total_s = start.elapsed().as_secs_f64();
-        stats.read_wait_s = read_wait.as_secs_f64();
-        stats.compute_s = (stats.total_s - stats.read_wait_s).max(0.0);
-        stats.expert_bytes_read = end.bytes_read - before.bytes_read;
-        stats.spine_bytes_read = self.spine.as_ref().map_or(0, |s| s.bytes_read()) - spine_before;
-        let (hits, misses) = (end.hits - before.hits, end.misses - before.misses);
-        stats.cache_hit_rate = if hits + misses > 0 { hits as f64 / (hits + misses) as f64 } else { 0.0 };
-        stats.bytes_per_token =
-            if generated > 1 { (stats.expert_bytes_read - stats.expert_bytes_read_prefill) as f64 / (generated - 1) as f64 } else { 0.0 };
-        stats.prefetch_issued = end.prefetch_issued - before.prefetch_issued;
-        stats.prefetch_used = end.prefetch_used - before.prefetch_used;
-        let decode_demands = (end.hits + end.misses).saturating_sub(after_prefill.hits + after_prefill.misses);
-        stats.prefetch_recall =
-            if decode_demands > 0 { (end.prefetch_used - after_prefill.prefetch_used) as f64 / decode_demands as f64 } else { 0.0 };
-        stats.prefetch_wasted_bytes = end.prefetch_wasted_bytes - before.prefetch_wasted_bytes;
-        stats.decode_read_busy_s = end.per_home.iter().zip(&after_prefill.per_home).map(|(e, p)| e.busy_s - p.busy_s).fold(0.0, f64::max);
-        stats.per_drive = end.per_home;
-        stats.unverified_bytes = end.unverified_bytes;
-        stats.peak_rss_bytes = peak_rss_bytes();
-        Ok(stats)
     }
 }
 
@@ -448,29 +250,6 @@ pub enum LogitRows {
     All,
     /// Only the last (generation).
     Last,
-}
-
-/// Options of one generation.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct GenerateOptions {
-    /// Most new tokens.
-    pub max_new: usize,
-    /// Ids that end generation (emitted, then stop).
-    pub stop_ids: Vec<u32>,
-    /// Checked between layers: once set, the generation stops with [`Error::Cancelled`] (a
-    /// client that went away must free the engine at once, even mid-prompt).
-    pub cancel: Option<Cancel>,
-    /// Most drafted tokens verified per step when a drafter is given (0: plain decoding).
-    pub draft_max: usize,
-    /// Whether the live cost gate chooses each step's draft length (up to `draft_max`, 0
-    /// included); off, every step drafts `draft_max` (tests of exactness, benchmarks of the
-    /// gate itself).
-    pub draft_gate: bool,
-    /// How each token is chosen: `None` (or temperature 0) is greedy.
-    pub sampling: Option<Sampling>,
-    /// An output grammar the tokens must follow (structured output); no drafts with one.
-    pub constraint: Option<Constraint>,
 }
 
 /// A shared flag that stops a generation, and a count of the layers it has walked (checked and
@@ -502,80 +281,6 @@ impl Cancel {
     }
 }
 
-/// One generated token and the logits it was chosen from.
-pub struct Step<'a> {
-    pub id: u32,
-    /// Logits over the vocabulary that produced `id` (for logprobs).
-    pub logits: &'a [f32],
-}
-
-impl GenerateOptions {
-    /// At most `max_new` new tokens, no stop ids, no cancel flag.
-    pub fn new(max_new: usize) -> GenerateOptions {
-        GenerateOptions { max_new, ..Default::default() }
-    }
-    /// Ids that end generation (emitted, then stop).
-    pub fn stop_ids(mut self, ids: Vec<u32>) -> GenerateOptions {
-        self.stop_ids = ids;
-        self
-    }
-    /// A flag that stops the generation once set.
-    pub fn cancel(mut self, cancel: Cancel) -> GenerateOptions {
-        self.cancel = Some(cancel);
-        self
-    }
-    /// Verify up to `k` drafted tokens per step when a drafter is given.
-    pub fn draft_max(mut self, k: usize) -> GenerateOptions {
-        self.draft_max = k;
-        self
-    }
-    /// Let the live cost gate choose draft lengths (the default), or always draft `draft_max`.
-    pub fn draft_gate(mut self, on: bool) -> GenerateOptions {
-        self.draft_gate = on;
-        self
-    }
-    /// Sample each token as `s` says (`None`: greedy).
-    pub fn sampling(mut self, s: Option<Sampling>) -> GenerateOptions {
-        self.sampling = s;
-        self
-    }
-    /// Makes every token follow `c`'s grammar.
-    pub fn constraint(mut self, c: Option<Constraint>) -> GenerateOptions {
-        self.constraint = c;
-        self
-    }
-    /// The token generated at `position` from `logits`: [`GenerateOptions::choose`] among the
-    /// ids the output grammar allows, committed to the grammar.
-    pub fn next_token(&self, logits: &[f32], position: usize) -> Result<u32> {
-        match &self.constraint {
-            Some(c) => c.next(logits, |l| self.choose(l, position)),
-            None => Ok(self.choose(logits, position)),
-        }
-    }
-    /// The token at `position` from `logits`, as these options choose it (no grammar: what
-    /// verification compares drafts with).
-    pub fn choose(&self, logits: &[f32], position: usize) -> u32 {
-        match &self.sampling {
-            Some(s) => s.choose(logits, position),
-            None => argmax(logits),
-        }
-    }
-}
-
-impl Default for GenerateOptions {
-    fn default() -> Self {
-        GenerateOptions {
-            max_new: 64,
-            stop_ids: Vec::new(),
-            cancel: None,
-            draft_max: 4,
-            draft_gate: true,
-            sampling: None,
-            constraint: None,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -601,5 +306,410 @@ mod tests {
         assert!(on(&good), "{}", good.estimate());
         assert!(!on(&coin), "{}", coin.estimate());
         assert!(good.tries.len() == AGREEMENT_WINDOW);
+    }
+}
+/// What a slot's rows are for. Decides what the step records to undo them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Phase {
+    /// Prompt tokens (a whole prompt or a chunk of one).
+    Prompt,
+    /// One generated token.
+    Decode,
+    /// Drafted tokens to check: the step can afterwards be cut back to any prefix
+    /// ([`Sequence::rewind_to`]).
+    Verify,
+}
+
+/// One sequence's part of a step.
+pub struct Slot<'a> {
+    pub(crate) seq: &'a mut Sequence,
+    pub(crate) ids: &'a [u32],
+    pub(crate) logits: LogitRows,
+    pub(crate) phase: Phase,
+    pub(crate) hidden: &'a [usize],
+}
+
+impl<'a> Slot<'a> {
+    /// `ids` to run after what `seq` holds; logits for the last row (for every row when verifying).
+    pub fn new(seq: &'a mut Sequence, ids: &'a [u32], phase: Phase) -> Slot<'a> {
+        let logits = if phase == Phase::Verify { LogitRows::All } else { LogitRows::Last };
+        Slot { seq, ids, logits, phase, hidden: &[] }
+    }
+    /// Also hand back the hidden state of every new row after each of `layers` (ascending
+    /// layer indices): the residual stream's running sum once the layer's MLP output has joined
+    /// it, what hidden-state drafters (EAGLE-3-style heads) read.
+    pub fn hidden_states(mut self, layers: &'a [usize]) -> Slot<'a> {
+        self.hidden = layers;
+        self
+    }
+    /// Which rows want logits.
+    pub fn logit_rows(mut self, rows: LogitRows) -> Slot<'a> {
+        self.logits = rows;
+        self
+    }
+}
+
+/// What a step produced.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct StepOutput {
+    /// Per slot, in order: logits `[rows, vocab]` of the rows it asked for.
+    pub logits: Vec<Mat>,
+    /// Per slot, in order: its hidden states `[rows, hidden]`, one per layer it asked for
+    /// ([`Slot::hidden_states`]).
+    pub hidden: Vec<Vec<Mat>>,
+    /// Reads, waits and guesses of the step.
+    pub report: ForwardReport,
+}
+
+/// The error for the first row of `logits` holding a NaN or an infinity; row 0 is the sequence's
+/// position `first`.
+fn non_finite(logits: &Mat, first: usize) -> Option<Error> {
+    (0..logits.rows).find_map(|i| {
+        let row = logits.row(i);
+        if row.iter().all(|x| x.is_finite()) {
+            return None;
+        }
+        let nan = row.iter().filter(|x| x.is_nan()).count();
+        let inf = row.iter().filter(|x| x.is_infinite()).count();
+        Some(Error::NonFinite { position: first + i, what: format!("{nan} NaN and {inf} infinite of {}", row.len()) })
+    })
+}
+
+/// What the lone decode row of a step lends the MoE layers for prefetch guesses.
+struct Guess<'s> {
+    layers: &'s mut [LayerState],
+    res: &'s Residual,
+    /// Another one-token step follows: the last layer may guess the next token's experts.
+    next_token: bool,
+}
+
+impl Engine {
+    /// Runs one forward pass over `slots`: each slot's new ids after what its sequence holds.
+    /// On success every sequence has advanced; on any error (a dead drive, a corrupt expert, a
+    /// full context, `cancel`) every sequence is as it was before the call.
+    pub fn step(&self, slots: &mut [Slot<'_>], cancel: Option<&Cancel>) -> Result<StepOutput> {
+        self.step_inner(slots, cancel, false)
+    }
+
+    /// [`Engine::step`]; `guess_next`: another one-token step will follow (generation), so the
+    /// last layer may prefetch for it.
+    ///
+    /// The pass runs on a thread of the compute pool ([`deltafin_core::on_compute_threads`]), so
+    /// every parallel product inside it starts from a thread that takes its share of the work.
+    /// Run from any other thread, each of a decode step's hundreds of products put the caller to
+    /// sleep until done: on `slice`, about 200 voluntary context switches per token (now about
+    /// 20) and a quarter of the process's kernel time; wall time measured level either way
+    /// (docs/bench/kernels.md).
+    pub(crate) fn step_inner(&self, slots: &mut [Slot<'_>], cancel: Option<&Cancel>, guess_next: bool) -> Result<StepOutput> {
+        deltafin_core::on_compute_threads(|| self.step_here(slots, cancel, guess_next))
+    }
+
+    /// [`Engine::step_inner`] on the calling thread.
+    pub(crate) fn step_here(&self, slots: &mut [Slot<'_>], cancel: Option<&Cancel>, guess_next: bool) -> Result<StepOutput> {
+        if slots.is_empty() || slots.iter().any(|s| s.ids.is_empty()) {
+            return Err(Error::Invalid("nothing to run: a step needs slots with at least one token each".into()));
+        }
+        for s in slots.iter() {
+            if s.seq.transient && !s.seq.ids.is_empty() {
+                return Err(Error::Invalid("a transient sequence runs one step only; it keeps no state to continue from".into()));
+            }
+            if s.seq.ids.len() + s.ids.len() > s.seq.context_limit {
+                return Err(deltafin_core::Error::ContextLimit(format!(
+                    "{} tokens held + {} new exceed the context limit of {}; start a new conversation or raise --context",
+                    s.seq.ids.len(),
+                    s.ids.len(),
+                    s.seq.context_limit
+                ))
+                .into());
+            }
+        }
+        let layers = self.model().config().num_layers;
+        if let Some(bad) = slots.iter().flat_map(|s| s.hidden.iter()).find(|&&l| l >= layers) {
+            return Err(Error::Invalid(format!("hidden states of layer {bad} asked for: the model has layers 0..{layers}")));
+        }
+        for s in slots.iter_mut() {
+            s.seq.begin_pass(s.phase);
+        }
+        // The store is told the plan: which MoE layers this step requests, in order.
+        self.experts().begin_pass(self.moe_layers());
+        let mut advanced = vec![0usize; slots.len()];
+        let out = self.walk(slots, &mut advanced, cancel, guess_next).and_then(|(res, report, hidden)| {
+            let mut logits = Vec::with_capacity(slots.len());
+            for (s, r) in slots.iter().zip(&res) {
+                let n = s.ids.len();
+                let (rows, first) = match s.logits {
+                    LogitRows::All => (self.model().logits(r, 0..n), 0),
+                    LogitRows::Last => (self.model().logits(r, n - 1..n), n - 1),
+                };
+                // Every token is chosen from these: a NaN would otherwise be chosen past silently.
+                if let Some(e) = non_finite(&rows, s.seq.ids.len() + first) {
+                    return Err(e);
+                }
+                logits.push(rows);
+            }
+            Ok(StepOutput { logits, report, hidden })
+        });
+        match out {
+            Ok(out) => {
+                for s in slots.iter_mut() {
+                    s.seq.commit_pass(s.ids, s.phase);
+                }
+                Ok(out)
+            }
+            Err(e) => {
+                for (s, &done) in slots.iter_mut().zip(&advanced) {
+                    // A transient sequence holds no state to undo; it is thrown away.
+                    if !s.seq.transient {
+                        s.seq.undo_pass(self.model(), done)?;
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The layer walk. `advanced[i]`: layers whose state slot `i` has advanced (what an undo
+    /// must roll back).
+    fn walk(
+        &self,
+        slots: &mut [Slot<'_>],
+        advanced: &mut [usize],
+        cancel: Option<&Cancel>,
+        guess_next: bool,
+    ) -> Result<(Vec<Residual>, ForwardReport, Vec<Vec<Mat>>)> {
+        let model = self.model();
+        let cfg = model.config();
+        let mut report = ForwardReport::default();
+        let mut hidden: Vec<Vec<Mat>> = slots.iter().map(|s| Vec::with_capacity(s.hidden.len())).collect();
+        let mut res: Vec<Residual> = slots.iter().map(|s| model.embed(s.ids).map(Residual::new)).collect::<std::result::Result<_, _>>()?;
+        // Prefetch pays only in decode (a prompt step demands most experts anyway), for a lone row.
+        let lone_decode = slots.len() == 1 && slots[0].ids.len() == 1 && !slots[0].seq.transient;
+        let spine = self.spine();
+        let _pass = spine.map(|s| s.pass());
+        for l in 0..cfg.num_layers {
+            if cancel.is_some_and(Cancel::check_layer) {
+                return Err(Error::Cancelled);
+            }
+            if let Some(s) = spine {
+                s.ensure(model, l)?;
+            }
+            let mut x: Option<Mat> = None;
+            for (i, s) in slots.iter_mut().enumerate() {
+                if s.seq.transient {
+                    s.seq.layers[l] = model.new_layer_state(l, s.ids.len());
+                }
+                let xi = model.attention_block(l, &mut s.seq.layers[l], &mut res[i])?;
+                if s.seq.transient {
+                    s.seq.layers[l] = model.released_layer_state();
+                }
+                advanced[i] = l + 1;
+                match &mut x {
+                    None => x = Some(xi),
+                    Some(m) => m.append(&xi),
+                }
+            }
+            let x = x.expect("at least one slot");
+            let out = match cfg.mlp[l] {
+                MlpKind::Dense => model.dense_mlp(l, &x),
+                MlpKind::Moe => {
+                    let guess = if lone_decode {
+                        Some(Guess { layers: &mut slots[0].seq.layers, res: &res[0], next_token: guess_next })
+                    } else {
+                        None
+                    };
+                    let out = self.moe_layer(l, &x, guess, &mut report)?;
+                    #[cfg(test)]
+                    if slots.len() == 1 {
+                        step_tests::MOE_HOOK.with(|h| {
+                            if let Some(f) = h.borrow_mut().as_mut() {
+                                f(model, l, &mut slots[0].seq.layers, &res[0], &x, &out);
+                            }
+                        });
+                    }
+                    out
+                }
+            };
+            let mut row = 0;
+            for ((s, r), h) in slots.iter().zip(res.iter_mut()).zip(hidden.iter_mut()) {
+                let n = s.ids.len();
+                if n == out.rows {
+                    model.finish_layer(r, &out);
+                } else {
+                    model.finish_layer(r, &out.rows_range(row, n));
+                }
+                if s.hidden.contains(&l) {
+                    h.push(r.partial.clone());
+                }
+                row += n;
+            }
+            if let Some(s) = spine {
+                s.release(model, l);
+            }
+        }
+        Ok((res, report, hidden))
+    }
+
+    /// An MoE layer over the rows `x` of a whole step: route every row, request each distinct
+    /// expert once, apply it to all its rows as it arrives (combined in ascending expert id), and
+    /// run the shared experts while the routed ones are read.
+    fn moe_layer(&self, l: usize, x: &Mat, mut guess: Option<Guess<'_>>, report: &mut ForwardReport) -> Result<Mat> {
+        let model = self.model();
+        let cfg = model.config();
+        let routes = model.route(l, x);
+        let mut combine = MoeCombine::new(routes, cfg.latent_size);
+        let wanted = combine.expert_rows();
+        report.distinct_expert_bytes += wanted.len() as u64 * self.experts().expert_bytes();
+        let expert_ids: Vec<u32> = wanted.iter().map(|(e, _)| *e).collect();
+        let rx = self.experts().request(l, &expert_ids, Priority::Demand);
+        // The misses are asked for first, so every product below runs while the drives read.
+        let z = model.moe_latent_in(l, x);
+        // The shared experts need no reads: run them while the routed ones arrive.
+        let shared = model.moe_shared(l, x);
+        let layout = self.experts().layout(l);
+        let prefetch = self.options().prefetch && guess.is_some();
+        // Guess the next layer's experts only where the next layer is an MoE layer.
+        let lookahead = prefetch && l + 1 < cfg.num_layers && cfg.mlp[l + 1] == MlpKind::Moe;
+        // In the last layer, with another token to come, the guess runs on: the provisional
+        // output gives a provisional next token, whose first MoE layer's experts are prefetched
+        // while this token's last expert, the logits and the next token's first layers compute.
+        let boundary = prefetch && guess.as_ref().is_some_and(|g| g.next_token) && l + 1 == cfg.num_layers;
+        for i in 0..wanted.len() {
+            // The last expert is still being read: the drive would idle between its arrival and
+            // the next layer's request (its compute, the next attention). Guess the next layer's
+            // experts from this layer's output so far and queue them behind it (in the last
+            // layer: the next token's first).
+            let left = if boundary { BOUNDARY_GUESS_LEFT } else { 1 };
+            if let (true, Some(g)) = (lookahead || boundary, guess.as_mut()) {
+                if i + left == wanted.len() && i > 0 && rx.is_empty() {
+                    let out = model.moe_finish(l, combine.partial(), shared.clone());
+                    // A guess that cannot run (a full context) only means no prefetch.
+                    if lookahead {
+                        // No routes: the next layer is streamed and not read yet (no guess).
+                        if let Ok(Some(r)) = model.guess_routes(l + 1, &mut g.layers[l + 1], g.res, &out).map(|r| r.into_iter().next()) {
+                            self.experts().prefetch(l + 1, &r.experts);
+                        }
+                    } else {
+                        let on = self.agreement_estimate() >= BOUNDARY_AGREEMENT_MIN;
+                        report.provisional = model.provisional_next_token(g.res, &out);
+                        if let (true, Some(t)) = (on, report.provisional) {
+                            if let Ok(Some((f, routes))) = model.first_moe_routes(g.layers, t) {
+                                self.experts().prefetch(f, &routes[0].experts);
+                                report.boundary_guessed = true;
+                            }
+                        }
+                    }
+                }
+            }
+            let t0 = Instant::now();
+            let (e, bytes) = rx.recv().map_err(|_| Error::Invalid(format!("expert reader for layer {l} stopped")))?;
+            report.read_wait += t0.elapsed();
+            let bytes = bytes?;
+            let rows = &wanted.iter().find(|(id, _)| *id == e).expect("delivered an expert that was not requested").1;
+            let y = model.expert(l, e, &layout, bytes.as_slice(), &z.gather(rows))?;
+            combine.add(e, rows, &y);
+        }
+        Ok(model.moe_finish(l, combine.finish(), shared))
+    }
+}
+
+#[cfg(test)]
+mod step_tests {
+    //! The prefetch guesses, checked inside the real layer walk: a hook sees each MoE layer's
+    //! input and complete output (for a lone slot) before the output joins the residual.
+
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use deltafin_core::{argmax, LayerState, Mat, Model, Residual, Route};
+
+    use super::{Phase, Slot};
+    use crate::EngineBuilder;
+
+    type MoeHook = Box<dyn FnMut(&Model, usize, &mut [LayerState], &Residual, &Mat, &Mat)>;
+    /// A guessed MoE layer and its routes.
+    type Guessed = Option<(usize, Vec<Route>)>;
+
+    thread_local! {
+        pub(super) static MOE_HOOK: RefCell<Option<MoeHook>> = const { RefCell::new(None) };
+    }
+
+    fn with_hook<T>(hook: MoeHook, run: impl FnOnce() -> T) -> T {
+        MOE_HOOK.with(|h| *h.borrow_mut() = Some(hook));
+        let out = run();
+        MOE_HOOK.with(|h| *h.borrow_mut() = None);
+        out
+    }
+
+    fn fixture() -> std::path::PathBuf {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-k3-dev/checkpoint")
+    }
+
+    /// The fixture's model (no prefetch, so nothing but the hook guesses) with a short prompt run.
+    fn after_a_prompt() -> (crate::LoadedModel, crate::Sequence) {
+        let loaded = EngineBuilder::new(fixture()).prefetch(false).open().unwrap();
+        let mut seq = loaded.new_sequence();
+        loaded.engine().step(&mut [Slot::new(&mut seq, &[78, 544, 115, 815, 284], Phase::Prompt)], None).unwrap();
+        (loaded, seq)
+    }
+
+    #[test]
+    fn a_next_layer_guess_from_the_complete_output_is_the_true_routing_and_leaves_the_state_alone() {
+        let (loaded, mut seq) = after_a_prompt();
+        let pending: Rc<RefCell<(Guessed, usize)>> = Default::default();
+        let p = pending.clone();
+        with_hook(
+            Box::new(move |m, l, layers, res, x, out| {
+                let mut p = p.borrow_mut();
+                if let Some((gl, routes)) = p.0.take() {
+                    assert_eq!(gl, l);
+                    assert_eq!(routes, m.route(l, x), "layer {l}: a guess from the complete output is the true routing");
+                    p.1 += 1;
+                }
+                let cfg = m.config();
+                if l + 1 < cfg.num_layers && cfg.mlp[l + 1] == deltafin_core::MlpKind::Moe {
+                    let before = layers[l + 1].clone();
+                    let guess = m.guess_routes(l + 1, &mut layers[l + 1], res, out).unwrap();
+                    assert_eq!(layers[l + 1], before, "layer {}: guessing changed the state", l + 1);
+                    assert_eq!(guess[0].experts.len(), cfg.experts_per_token);
+                    p.0 = Some((l + 1, guess));
+                }
+            }),
+            || loaded.engine().step_here(&mut [Slot::new(&mut seq, &[101], Phase::Decode)], None, false).unwrap(),
+        );
+        assert!(pending.borrow().1 > 0, "the fixture has consecutive MoE layers");
+    }
+
+    #[test]
+    fn a_next_token_guess_from_the_complete_output_is_the_true_routing_and_leaves_the_state_alone() {
+        let (loaded, mut seq) = after_a_prompt();
+        let guess: Rc<RefCell<Guessed>> = Default::default();
+        let g = guess.clone();
+        let out = with_hook(
+            Box::new(move |m, l, layers, res, _x, out| {
+                if l + 1 == m.config().num_layers {
+                    let before = layers.to_vec();
+                    *g.borrow_mut() = m.guess_next_token_routes(layers, res, out).unwrap();
+                    assert!(layers == before.as_slice(), "guessing changed the state");
+                }
+            }),
+            || loaded.engine().step_here(&mut [Slot::new(&mut seq, &[101], Phase::Decode)], None, false).unwrap(),
+        );
+        let (first, routes) = guess.borrow_mut().take().expect("the last layer is an MoE layer");
+        // The real next token: its first MoE layer routes as guessed.
+        let next = argmax(out.logits[0].row(0));
+        let seen = Rc::new(RefCell::new(false));
+        let s = seen.clone();
+        with_hook(
+            Box::new(move |m, l, _layers, _res, x, _out| {
+                if l == first {
+                    assert_eq!(m.route(l, x), routes, "a guess from the complete output is the true routing");
+                    *s.borrow_mut() = true;
+                }
+            }),
+            || loaded.engine().step_here(&mut [Slot::new(&mut seq, &[next], Phase::Decode)], None, false).unwrap(),
+        );
+        assert!(*seen.borrow());
     }
 }

@@ -11,8 +11,8 @@
 
 use deltafin_spec::Drafter;
 
-use crate::engine::{GenerateOptions, Step};
 use crate::error::{Error, Result};
+use crate::generation::{GenerateOptions, Step};
 use crate::kept::KeptStates;
 use crate::open::LoadedModel;
 use crate::stats::Stats;

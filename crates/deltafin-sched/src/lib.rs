@@ -28,6 +28,7 @@ mod constraint;
 mod draft;
 mod engine;
 mod error;
+mod generation;
 mod generator;
 mod kept;
 mod open;
@@ -36,7 +37,6 @@ mod sample;
 mod sequence;
 mod spine;
 mod stats;
-mod step;
 
 pub use deltafin_core::argmax;
 pub use deltafin_store::{peak_rss_bytes, CacheMode, CachePolicy};
@@ -46,13 +46,13 @@ pub use crate::{
     batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, DrafterFactory, FinishReason, JobId, MIXED_PROMPT_CHUNK},
     constraint::{Constraint, TokenConstraint},
     draft::{DraftWith, AUTO_DRAFT_DIR},
-    engine::{Cancel, Engine, EngineOptions, ForwardReport, GenerateOptions, LogitRows, Step},
+    engine::{Cancel, Engine, EngineOptions, ForwardReport, LogitRows, Phase, Slot, StepOutput},
     error::{Error, Result},
+    generation::{GenerateOptions, Step},
     generator::{Generator, OnToken, Output},
     open::{EngineBuilder, LoadedModel, MemoryPlan, DEFAULT_BUDGET_CHUNK, DEFAULT_CONTEXT},
     plan::{model_sizes, size, ComputeRates, ModelSizes, Plan, PlanInput, LADDER_EFFICIENCY},
     sample::{fresh_seed, Sampling},
     sequence::Sequence,
     stats::Stats,
-    step::{Phase, Slot, StepOutput},
 };

@@ -7,7 +7,7 @@
 
 use deltafin_core::{K3Config, LayerState, Model, Recording};
 
-use crate::step::Phase;
+use crate::engine::Phase;
 
 /// The tokens a sequence has consumed and the per-layer state they produced.
 #[derive(Clone, Debug)]
