@@ -124,7 +124,8 @@ fn fp8_rounding_matches_the_transcription_of_vllm() {
             cached.push(k);
         }
         assert!(eq(&scales, &want_s), "case {i}: the key scales differ");
-        let scores: Vec<f32> = (0..n).map(|s| index_score(&be, dim, &q, &w, &cached[s], Some(scales[s]))).collect();
+        let mut relu = vec![0f32; heads];
+        let scores: Vec<f32> = (0..n).map(|s| index_score(&be, dim, &q, &w, &cached[s], Some(scales[s]), &mut relu)).collect();
         let got = top_keys(&scores, topk);
         let want = u32s(&case["selected"]);
         let margin = case["margin"].as_f64().unwrap();

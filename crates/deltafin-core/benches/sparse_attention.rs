@@ -66,7 +66,10 @@ fn bench(c: &mut Criterion) {
                 prepare_index_query(IndexerRounding::F32, INDEX_DIM, &mut q, &mut w);
                 let scores: Vec<f32> = (0..context)
                     .into_par_iter()
-                    .map(|s| index_score(&be, INDEX_DIM, &q, &w, &keys[s * INDEX_DIM..(s + 1) * INDEX_DIM], None))
+                    .map_init(
+                        || vec![0f32; INDEX_HEADS],
+                        |relu, s| index_score(&be, INDEX_DIM, &q, &w, &keys[s * INDEX_DIM..(s + 1) * INDEX_DIM], None, relu),
+                    )
                     .collect();
                 let sel = top_keys(&scores, TOPK);
                 attend(Some(&sel))

@@ -350,11 +350,12 @@ impl<'m> Batcher<'m> {
         self
     }
 
-    /// Runs a prompt prefix of at least `min_tokens` that waiting jobs share once, keeping its
-    /// state (within the model's allowance for kept state) for every job that starts with it:
-    /// a batch whose requests share a system prompt computes it once. Each job's ids stay its
-    /// solo run's.
+    /// Instead of [`Batcher::keep_states`] (the allowance for kept state serves one or the
+    /// other): runs a prompt prefix of at least `min_tokens` that waiting jobs share once,
+    /// keeping its state for every job that starts with it, so a batch whose requests share a
+    /// system prompt computes it once. Each job's ids stay its solo run's.
     pub fn share_prefixes(mut self, min_tokens: usize) -> Batcher<'m> {
+        self.kept = None;
         // Without room for a kept state, a prefix's state could not be kept for the others.
         let room = self.model.kept_bytes();
         self.prefixes = (room > 0).then(|| (KeptStates::new(room), min_tokens.max(1)));
@@ -414,6 +415,8 @@ impl<'m> Batcher<'m> {
     /// allowance for kept state, and continues one when a job's prompt extends it: a chat
     /// server's conversations take turns without running their history again.
     pub fn keep_states(mut self) -> Batcher<'m> {
+        // One use of the allowance at a time: conversations or shared prefixes.
+        self.prefixes = None;
         self.kept = Some(KeptStates::new(self.model.kept_bytes()));
         self
     }
@@ -500,25 +503,15 @@ impl<'m> Batcher<'m> {
                 break;
             }
             let (id, job) = self.waiting.pop_front().expect("a front job");
-            // Scoring wants every prompt row's logits, so it never starts from a kept state.
-            let reused = match &mut self.kept {
-                Some(k) if !job.prompt_logits => k.take_longest(&job.prompt, job.opts.max_new),
-                _ => None,
+            // Scoring wants every prompt row's logits, so it never starts from a kept state. A
+            // conversation's state is taken out; a shared prefix's is copied (others want it too).
+            let reused = match (&mut self.kept, &mut self.prefixes) {
+                _ if job.prompt_logits => None,
+                (Some(k), _) => k.take_longest(&job.prompt, job.opts.max_new),
+                (None, Some((k, _))) => k.copy_longest(&job.prompt, job.opts.max_new),
+                (None, None) => None,
             };
-            let shared = match &mut self.prefixes {
-                Some((k, _)) if !job.prompt_logits => k.copy_longest(&job.prompt, job.opts.max_new),
-                _ => None,
-            };
-            // The longer of the two starts; the other goes back.
-            let (seq, other) = match (reused, shared) {
-                (Some(r), Some(s)) if s.ids().len() > r.ids().len() => (Some(s), Some(r)),
-                (Some(r), _) => (Some(r), None),
-                (None, s) => (s, None),
-            };
-            if let Some(r) = other {
-                self.keep(r);
-            }
-            let seq = seq.unwrap_or_else(|| self.model.new_sequence());
+            let seq = reused.unwrap_or_else(|| self.model.new_sequence());
             let cached = seq.ids().len();
             self.stats.cached_tokens += cached as u64;
             out.event(BatchEvent::Started { job: id, cached_tokens: cached });

@@ -73,9 +73,7 @@ impl Drafting {
     pub(crate) fn memory_bytes(&self, context: usize, sequences: usize) -> u64 {
         match self {
             Drafting::Ngram => 0,
-            Drafting::Model(m) => {
-                m.memory_bytes(context) + (sequences.max(1) as u64 - 1) * (m.model().kv_bytes_per_token() * context) as u64
-            }
+            Drafting::Model(m) => m.memory_bytes(context, sequences),
         }
     }
 

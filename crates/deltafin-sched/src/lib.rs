@@ -41,7 +41,6 @@ mod stats;
 pub use deltafin_core::argmax;
 pub use deltafin_store::{peak_rss_bytes, CacheMode, CachePolicy};
 
-pub use crate::budget::{Charges, SpineSizes};
 pub use crate::{
     batch::{BatchEvent, BatchJob, BatchOutput, BatchStats, Batcher, DrafterFactory, FinishReason, JobId, MIXED_PROMPT_CHUNK},
     constraint::{Constraint, TokenConstraint},

@@ -121,19 +121,15 @@ pub struct ModelSizes {
 /// A plan, ready to print.
 #[derive(Clone, Debug)]
 pub struct Plan {
-    /// Where the RAM goes: what [`crate::LoadedModel::memory_plan`] says when this model opens
-    /// under the same budget and context (one sequence, 512-token prompt chunks).
+    /// Where the RAM goes (the spine held, with the buffers of two streamed layers when some
+    /// stream; state, working memory, tokenizer, expert cache): what
+    /// [`crate::LoadedModel::memory_plan`] says when this model opens under the same budget and
+    /// context (one sequence, 512-token prompt chunks).
     pub memory: MemoryPlan,
     pub minimum_ram: u64,
     pub fits: bool,
-    /// Spine held in RAM (with the buffers of two streamed layers when some stream).
-    pub spine_bytes: u64,
     /// Spine bytes read each pass (streamed layers).
     pub spine_read_per_pass: f64,
-    pub streamed_layers: usize,
-    pub state_bytes: u64,
-    pub working_bytes: u64,
-    pub tokenizer_bytes: u64,
     pub cached_experts: u64,
     pub total_experts: u64,
     pub expert_bytes_per_token: f64,
@@ -171,9 +167,7 @@ impl Plan {
             tied: cfg.tie_word_embeddings,
         };
         let (memory, fit, minimum_ram) = MemoryPlan::fit(input.ram, &sizes, &charges);
-        let (state_bytes, working_bytes) = (charges.sequence_state, charges.working);
-        let (resident_spine, spine_read_per_pass, streamed_layers) =
-            (fit.resident_bytes, fit.read_per_pass(&m.layer_bytes), fit.streamed_layers());
+        let spine_read_per_pass = fit.read_per_pass(&m.layer_bytes);
         let total_experts = (moe * e) as u64;
         let cached_experts = memory.cached_experts(charge, total_experts);
         let miss = 1.0 - cached_experts as f64 / total_experts.max(1) as f64;
@@ -194,12 +188,7 @@ impl Plan {
             memory,
             minimum_ram,
             fits: input.ram >= minimum_ram,
-            spine_bytes: resident_spine,
             spine_read_per_pass: spine_read_per_pass as f64,
-            streamed_layers,
-            state_bytes,
-            working_bytes,
-            tokenizer_bytes: m.tokenizer_bytes,
             cached_experts,
             total_experts,
             expert_bytes_per_token,
@@ -233,14 +222,15 @@ impl Plan {
     pub fn render(&self, rates: &ComputeRates) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "resident (RAM):");
-        let how = match self.streamed_layers {
+        let m = &self.memory;
+        let how = match m.streamed_layers {
             0 => "all of it".to_string(),
             n => format!("{n} layers read each pass, two at a time"),
         };
-        let _ = writeln!(s, "  spine            {:>10}  ({how})", size(self.spine_bytes as f64));
-        let _ = writeln!(s, "  sequence state   {:>10}", size(self.state_bytes as f64));
-        let _ = writeln!(s, "  working memory   {:>10}", size(self.working_bytes as f64));
-        let _ = writeln!(s, "  tokenizer        {:>10}", size(self.tokenizer_bytes as f64));
+        let _ = writeln!(s, "  spine            {:>10}  ({how})", size(m.spine as f64));
+        let _ = writeln!(s, "  sequence state   {:>10}", size(m.sequence_state as f64));
+        let _ = writeln!(s, "  working memory   {:>10}", size(m.working as f64));
+        let _ = writeln!(s, "  tokenizer        {:>10}", size(m.tokenizer as f64));
         let _ = writeln!(
             s,
             "  expert cache     {:>10}  ({} of {} experts, {:.1}%, of {} in all)",

@@ -47,9 +47,10 @@ impl DraftModel {
     pub fn model(&self) -> &Qwen3 {
         &self.model
     }
-    /// Resident bytes: weights plus a cache of `context` tokens.
-    pub fn memory_bytes(&self, context: usize) -> u64 {
-        self.model.weight_bytes() + (self.model.kv_bytes_per_token() * context) as u64
+    /// Resident bytes for `sequences` drafters at once: the weights, shared, plus a cache of
+    /// `context` tokens each.
+    pub fn memory_bytes(&self, context: usize, sequences: usize) -> u64 {
+        self.model.weight_bytes() + (sequences.max(1) * self.model.kv_bytes_per_token() * context) as u64
     }
 }
 

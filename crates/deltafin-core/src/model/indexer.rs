@@ -124,21 +124,15 @@ pub fn round_index_key(rounding: IndexerRounding, key: &mut [f32]) -> Option<f32
 }
 
 /// The index score of one key for one prepared query ([`prepare_index_query`]): each head's
-/// canonical dot, its ReLU, the canonical dot of those with the head weights, times the key's
-/// scale (`fp8` mode).
-pub fn index_score(be: &dyn Backend, head_dim: usize, q: &[f32], w: &[f32], key: &[f32], key_scale: Option<f32>) -> f32 {
-    let relu: Vec<f32> = q
-        .chunks_exact(head_dim)
-        .map(|qh| {
-            let l = be.dot_f32(qh, key);
-            if l > 0.0 {
-                l
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let score = be.dot_f32(&relu, w);
+/// canonical dot, its ReLU (into `relu`, one per head: scratch the caller keeps, since this runs
+/// once per cached key), the canonical dot of those with the head weights, times the key's scale
+/// (`fp8` mode).
+pub fn index_score(be: &dyn Backend, head_dim: usize, q: &[f32], w: &[f32], key: &[f32], key_scale: Option<f32>, relu: &mut [f32]) -> f32 {
+    for (r, qh) in relu.iter_mut().zip(q.chunks_exact(head_dim)) {
+        let l = be.dot_f32(qh, key);
+        *r = if l > 0.0 { l } else { 0.0 };
+    }
+    let score = be.dot_f32(relu, w);
     match key_scale {
         Some(s) => score * s,
         None => score,
@@ -152,10 +146,13 @@ impl IndexQueries {
         let (q, w, d) = (self.q.row(t), self.w.row(t), ix.head_dim);
         (0..n_keys)
             .into_par_iter()
-            .map(|s| {
-                let scale = (ix.rounding == IndexerRounding::Fp8).then(|| cache.index_scales[s]);
-                index_score(be, d, q, w, &cache.index_keys[s * d..(s + 1) * d], scale)
-            })
+            .map_init(
+                || vec![0f32; w.len()],
+                |relu, s| {
+                    let scale = (ix.rounding == IndexerRounding::Fp8).then(|| cache.index_scales[s]);
+                    index_score(be, d, q, w, &cache.index_keys[s * d..(s + 1) * d], scale, relu)
+                },
+            )
             .collect()
     }
 }

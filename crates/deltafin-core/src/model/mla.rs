@@ -107,7 +107,7 @@ impl MlaCache {
             self.k_pe.truncate(len * cfg.qk_rope_dim);
             if let Some(ix) = &cfg.indexer {
                 self.index_keys.truncate(len * ix.head_dim);
-                self.index_scales.truncate(len.min(self.index_scales.len()));
+                self.index_scales.truncate(len);
             }
             self.len = len;
         }
